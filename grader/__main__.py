@@ -1,0 +1,54 @@
+"""python -m grader {check NOTEBOOK | demo | release [WEEK..] | execute-lectures [NB..]}"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def cmd_check(a) -> int:
+    from grader.cli_check import check_notebook
+    return check_notebook(a.notebook, backend=a.backend, execute=not a.no_execute, out=a.output)
+
+
+def cmd_demo(a) -> int:
+    from grader.demo import main
+    return main(keep=a.keep)
+
+
+def cmd_release(a) -> int:
+    from grader.nbgrader_tools import release
+    for path in release(a.weeks or None):
+        print("wrote", os.path.relpath(path))
+    return 0
+
+
+def cmd_execute(a) -> int:
+    from grader.lectures import execute_lectures
+    return execute_lectures(a.notebooks or None)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m grader", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="run a lab notebook and grade it the trusted way; prints score: X/Y")
+    c.add_argument("notebook")
+    c.add_argument("--backend", default=None, help="gloo, nccl or auto (default)")
+    c.add_argument("--no-execute", action="store_true", help="skip running the notebook; grade its modules only")
+    c.add_argument("--output", default=None, help="where to write the executed notebook (default: a temp file)")
+    c.set_defaults(fn=cmd_check)
+    d = sub.add_parser("demo", help="a scratch class: release, submissions, nbgrader autograde, gradebook")
+    d.add_argument("--keep", default=None, help="keep the scratch course in this folder")
+    d.set_defaults(fn=cmd_demo)
+    r = sub.add_parser("release", help="regenerate labs/ from solutions/ with nbgrader")
+    r.add_argument("weeks", nargs="*")
+    r.set_defaults(fn=cmd_release)
+    e = sub.add_parser("execute-lectures", help="execute lecture notebooks in place (CPU/gloo)")
+    e.add_argument("notebooks", nargs="*")
+    e.set_defaults(fn=cmd_execute)
+    a = p.parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per week; each registers its cases on import."""

@@ -1,0 +1,77 @@
+"""`python -m grader check NOTEBOOK`: run the notebook, then grade its modules the trusted way."""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import warnings
+
+import nbformat
+
+from grader.nbgrader_plugin import run_trusted
+
+
+def _execute(path: str, backend: str | None, out: str | None) -> str | None:
+    """Run the notebook with papermill (in-kernel checks deferred). Returns an error summary or None."""
+    import papermill as pm
+    out = out or os.path.join(tempfile.mkdtemp(prefix="grader-check-"), os.path.basename(path))
+    params = {"BACKEND": backend} if backend else {}
+    old = os.environ.get("GRADER_DEFER_CHECKS")
+    os.environ["GRADER_DEFER_CHECKS"] = "1"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm.execute_notebook(path, out, parameters=params, cwd=os.path.dirname(os.path.abspath(path)),
+                                progress_bar=False, log_output=False, kernel_name="python3")
+        return None
+    except Exception as exc:  # papermill stops at the first error; the checks below still run
+        first = str(exc).strip().splitlines()
+        return first[-1] if first else type(exc).__name__
+    finally:
+        if old is None:
+            os.environ.pop("GRADER_DEFER_CHECKS", None)
+        else:
+            os.environ["GRADER_DEFER_CHECKS"] = old
+
+
+def check_notebook(path: str, backend: str | None = None, execute: bool = True, out: str | None = None) -> int:
+    if not os.path.exists(path):
+        print(f"error: {path} does not exist (give the path of a lab notebook, e.g. labs/week02/tp_linear.ipynb)")
+        return 2
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as exc:
+        print(f"error: {path} is not a readable notebook ({exc})")
+        return 2
+    if backend:
+        os.environ["COURSE_BACKEND"] = backend
+    if execute:
+        print(f"running {path} ...", flush=True)
+        err = _execute(path, backend, out)
+        if err:
+            print(f"note: the notebook stopped early ({err}); the checks below use its %%writefile cells")
+    cells, report = run_trusted(nb)
+    if not cells:
+        print(f"error: {path} has no graded check cells")
+        return 2
+    if isinstance(report, Exception):
+        print(f"error: the grader could not run: {report}")
+        return 2
+    got = total = 0.0
+    for _, cell, names, points in cells:
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id", "?")
+        failed = [report.cases[n] for n in names if not report.cases[n].passed]
+        total += points
+        if failed:
+            print(f"\n{gid}: 0/{points:g}")
+            for c in failed:
+                print(c.message())
+        else:
+            got += points
+            print(f"\n{gid}: {points:g}/{points:g}")
+            rows = report.table().splitlines()
+            print("\n".join([rows[0]] + [r for r in rows[1:-1] if r.split()[0] in names]))
+    print(f"\n{report.table().splitlines()[-1]}")
+    print(f"score: {got:g}/{total:g}")
+    sys.stdout.flush()
+    return 0 if got == total else 1

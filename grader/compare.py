@@ -1,0 +1,158 @@
+"""Trusted comparison: rank results vs the single-device reference, and the contract.
+
+Runs in the grader's own process. Rank files are read with weights_only=True, so a
+result file cannot run code here; every value is checked for type before use.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from grader.case import Case, Contract
+
+
+@dataclass
+class ItemVerdict:
+    item_id: str
+    case: str
+    t: int
+    passed: bool
+    problems: list[str] = field(default_factory=list)
+    max_err: float = 0.0
+    tensors: list[str] = field(default_factory=list)
+    comm: str = ""
+    seconds: float = 0.0
+
+
+def _fmt_shape(s) -> str:
+    return "(" + ", ".join(str(int(x)) for x in s) + ")"
+
+
+def _where(idx: int, shape) -> str:
+    coords = []
+    for d in reversed(list(shape)):
+        coords.append(idx % d)
+        idx //= d
+    return "[" + ", ".join(str(c) for c in reversed(coords)) + "]"
+
+
+def compare_tensor(name: str, got, want: torch.Tensor, atol: float, rank: int, hint: str = "") -> tuple[str | None, float]:
+    """None if `got` matches `want` at atol, else a message a student can act on."""
+    who = f"rank {rank}: `{name}`"
+    tail = f" {hint}" if hint else ""
+    if got is None:
+        return f"{who} is missing (None).{tail}", math.inf
+    if not isinstance(got, torch.Tensor):
+        return f"{who} is a {type(got).__name__}, not a tensor.", math.inf
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{who} has shape {_fmt_shape(got.shape)}; expected {_fmt_shape(want.shape)}.{tail}", math.inf
+    if got.dtype != want.dtype:
+        return f"{who} is {str(got.dtype).replace('torch.', '')}; expected {str(want.dtype).replace('torch.', '')}.", math.inf
+    if not got.is_floating_point():
+        bad = (got != want)
+        if bad.any():
+            i = int(bad.flatten().nonzero()[0])
+            return f"{who} differs at {_where(i, got.shape)}: got {got.flatten()[i].item()}, expected {want.flatten()[i].item()}.", math.inf
+        return None, 0.0
+    finite = torch.isfinite(got)
+    if not finite.all():
+        n_nan, n_inf = int(torch.isnan(got).sum()), int(torch.isinf(got).sum())
+        i = int((~finite).flatten().nonzero()[0])
+        kinds = " and ".join(k for k, n in (("NaN", n_nan), ("Inf", n_inf)) if n)
+        return (f"{who} contains {kinds} ({n_nan + n_inf} of {got.numel()} values, first at {_where(i, got.shape)}).{tail}",
+                math.inf)
+    err = (got.double() - want.double()).abs()
+    m = float(err.max()) if err.numel() else 0.0
+    if m <= atol:
+        return None, m
+    i = int(err.flatten().argmax())
+    passing = 10 ** math.ceil(math.log10(m)) if m > 0 else atol
+    return (f"{who} differs from the single-device reference: max |err| {m:.3g} at {_where(i, got.shape)} "
+            f"(got {got.flatten()[i].item():.5g}, expected {want.flatten()[i].item():.5g}); atol is {atol:g} "
+            f"(it would take atol={passing:g} to pass).{tail}", m)
+
+
+def check_contract(contract: Contract, res: dict, rank: int) -> list[str]:
+    problems = []
+    entries = [e for e in res.get("ledger", []) if isinstance(e, dict)]
+    ops_by_phase: dict[str, dict[str, int]] = {}
+    for e in entries:
+        ops_by_phase.setdefault(str(e.get("phase")), {}).setdefault(str(e.get("op")), 0)
+        ops_by_phase[str(e.get("phase"))][str(e.get("op"))] += 1
+    for phase, want in contract.counts.items():
+        got = ops_by_phase.get(phase, {})
+        for op in sorted(set(want) | set(got)):
+            w, g = want.get(op, 0), got.get(op, 0)
+            if w != g:
+                why = contract.why.get(phase, "")
+                problems.append(f"rank {rank}: {phase} used {g} {op}; the contract is {w}." + (f" {why}" if why else ""))
+    if contract.allowed_ops is not None:
+        extra = sorted({str(e.get("op")) for e in entries} - contract.allowed_ops)
+        if extra:
+            problems.append(f"rank {rank}: used {', '.join(extra)}; only {', '.join(sorted(contract.allowed_ops))} "
+                            f"are allowed here.")
+    for phase, want in contract.bytes_sent.items():
+        got = sum(float(e.get("sent", 0)) for e in entries if phase == "all" or e.get("phase") == phase)
+        if abs(got - want) > 0.01 * max(want, 1.0):
+            problems.append(f"rank {rank}: sent {got:.0f} bytes ({phase}); the ring optimum is {want:.0f}.")
+    if contract.params is not None:
+        got = {str(k): tuple(v) for k, v in res.get("params", {}).items()}
+        for name, shape in contract.params.items():
+            if name not in got:
+                problems.append(f"rank {rank}: no parameter named `{name}` (found: {', '.join(got) or 'none'}); "
+                                f"keep the shard in `self.{name}` as an nn.Parameter.")
+            elif tuple(got[name]) != tuple(shape):
+                problems.append(f"rank {rank} holds `{name}` of shape {_fmt_shape(got[name])}; its shard is "
+                                f"{_fmt_shape(shape)}: each rank must keep only 1/t of the dense weight.")
+    return problems
+
+
+_SHORT = {"forward": "fwd", "backward": "bwd"}
+
+
+def comm_summary(res: dict) -> str:
+    parts = []
+    for phase in ("forward", "backward"):
+        es = [e for e in res.get("ledger", []) if e.get("phase") == phase]
+        if not es:
+            parts.append(f"{_SHORT[phase]}: none")
+            continue
+        c: dict[str, int] = {}
+        for e in es:
+            c[e["op"]] = c.get(e["op"], 0) + 1
+        parts.append(f"{_SHORT[phase]}: " + ", ".join(f"{op} x{n}" for op, n in c.items()))
+    return "; ".join(parts)
+
+
+def compare_item(case: Case, item: dict, ref: dict, results: dict[int, dict | None],
+                 missing_reason: dict[int, str]) -> ItemVerdict:
+    t = item["t"]
+    v = ItemVerdict(item_id=item["id"], case=case.name, t=t, passed=True)
+    contract = case.contract(item["config"], t) if case.contract else None
+    for job_rank in sorted(results):
+        res = results[job_rank]
+        if res is None:
+            v.problems.append(missing_reason.get(job_rank, f"rank {job_rank} wrote no result."))
+            continue
+        r = res["group"].index(job_rank)
+        label = r if t == len(results) else f"{r} (job rank {job_rank})"
+        if res.get("error"):
+            v.problems.append(f"rank {label} raised an exception:\n{res['error'].rstrip()}")
+            continue
+        want = case.expected(item["config"], ref, r, t)
+        got = res.get("tensors", {})
+        for name, w in want.items():
+            msg, m = compare_tensor(name, got.get(name), w, case.atol, label, case.hints.get(name, ""))
+            if msg:
+                v.problems.append(msg)
+            elif m > v.max_err:
+                v.max_err = m
+        if contract is not None:
+            v.problems += check_contract(contract, res, label)
+        v.tensors = list(want)
+        v.comm = comm_summary(res)
+        v.seconds = max(v.seconds, float(res.get("seconds", 0.0)))
+    v.passed = not v.problems
+    return v

@@ -1,0 +1,211 @@
+"""Build a job folder, run it on N ranks, compare in this (trusted) process.
+
+    JOBDIR/spec.json      items (case, t, seed, config), timeouts
+    JOBDIR/inputs.pt      full inputs per item, made here from the seed
+    JOBDIR/student/*.py   the student's modules (a snapshot: the kernel or the notebook JSON)
+    JOBDIR/rank{r}.pt     written by each rank: tensors, ledger, parameter shapes, errors
+    JOBDIR/rank{r}.progress  where each rank is (which item, which collective)
+
+Timeouts nest: process group (PG_TIMEOUT) < job wall clock < + KILL_GRACE < nbgrader Execute.timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from grader.case import get_case
+from grader.compare import ItemVerdict, compare_item
+
+PG_TIMEOUT = 10.0          # a collective on tiny tensors that waits this long is a hang
+STARTUP = 30.0             # launcher, imports and rendezvous, with slack for a loaded 2-core box
+KILL_GRACE = 3.0
+EXECUTE_TIMEOUT = 900      # nbgrader per-cell limit; must exceed every job's wall clock + grace
+
+
+def job_wall_clock(n_items: int, pg_timeout: float = PG_TIMEOUT) -> float:
+    # every item may burn one pg timeout (a rank waiting for a peer that never comes)
+    return STARTUP + pg_timeout * (n_items + 1)
+
+
+@dataclass
+class CaseVerdict:
+    name: str
+    passed: bool
+    items: list[ItemVerdict] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        out = []
+        for it in self.items:
+            for p in it.problems:
+                out.append(f"[t={it.t}] {p}")
+        return out
+
+    def message(self, limit: int = 6) -> str:
+        probs = self.problems
+        head = f"{self.name}: FAILED"
+        body = "\n".join(f"  - {p}".replace("\n", "\n    ") for p in probs[:limit])
+        more = f"\n  ... and {len(probs) - limit} more problem(s) of the same check." if len(probs) > limit else ""
+        return f"{head}\n{body}{more}"
+
+
+@dataclass
+class Report:
+    cases: dict[str, CaseVerdict]
+    seconds: float
+    run: object = None
+    jobdir: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.cases.values())
+
+    def table(self) -> str:
+        rows = [f"{'check':<42} {'t':>3} {'result':<6} {'max|err|':>9}  communication (per rank)"]
+        for c in self.cases.values():
+            for it in c.items:
+                res = "PASS" if it.passed else "FAIL"
+                err = f"{it.max_err:.1e}" if it.passed else "-"
+                rows.append(f"{c.name:<42} {it.t:>3} {res:<6} {err:>9}  {it.comm}")
+        backend = getattr(self.run, "backend", "?")
+        launcher = getattr(self.run, "launcher", "?")
+        rows.append(f"({backend}, {launcher} launcher, {self.seconds:.1f} s)")
+        return "\n".join(rows)
+
+
+def plan_items(names: list[str], fresh_seed: bool = True) -> list[dict]:
+    items = []
+    for name in names:
+        case = get_case(name)
+        seed = case.seed if case.seed is not None else (secrets.randbits(31) if fresh_seed else 12345)
+        for t in case.world_sizes:
+            items.append({"id": f"{name}@t{t}", "case": name, "t": t, "seed": seed, "config": case.config})
+    return items
+
+
+def _missing_reason(job_rank: int, item: dict, run, progress: dict, finished_by: list[int]) -> str:
+    code = run.exitcodes.get(job_rank) if run is not None else None
+    here = progress.get(job_rank) or {}
+    others = f"; ranks {', '.join(map(str, finished_by))} had finished it" if finished_by else ""
+    if here.get("item") == item["id"]:
+        if here.get("where") == "inside":
+            where = f"was still in {here.get('op')} #{here.get('index')} ({here.get('phase')})"
+        elif here.get("phase") == "import":
+            where = "was still importing your module"
+        else:
+            where = f"was still running your code in {here.get('phase')} (not in a collective)"
+    elif here.get("item"):
+        where = f"never reached this check (it was stuck in {here.get('item')})"
+    else:
+        where = "never started this check"
+    if run is not None and run.timed_out:
+        return (f"rank {job_rank} {where} when the job was stopped at its {run.seconds:.0f} s wall clock{others}. "
+                "A rank that skips or adds a collective, or loops forever, hangs the others.")
+    if code is None:
+        how = "was stopped"
+    elif code < 0:
+        how = f"was killed by signal {-code}" + (" (out of memory or over a resource limit?)" if -code == 9 else "")
+    elif code == 0:
+        how = "exited with status 0 without writing its results (os._exit() in your code?)"
+    else:
+        how = f"exited with status {code}"
+    tail = run.rank_output(job_rank).strip().splitlines()[-6:] if run is not None else []
+    shown = ("\n    last output: " + "\n    ".join(tail)) if tail else ""
+    return f"rank {job_rank} {how}; it {where}{others}.{shown}"
+
+
+def _desync(results: dict) -> str | None:
+    """Name the first collective on which the ranks of an item disagree."""
+    seqs = {r: [(e.get("phase"), e.get("op")) for e in res.get("ledger", [])]
+            for r, res in results.items() if res is not None}
+    if len({tuple(s) for s in seqs.values()}) <= 1:
+        return None
+    n = max(len(s) for s in seqs.values())
+    for i in range(n):
+        calls = {r: (s[i] if i < len(s) else None) for r, s in seqs.items()}
+        if len(set(calls.values())) > 1:
+            desc = "; ".join(f"rank {r}: " + (f"{c[1]} ({c[0]})" if c else "nothing (it had finished)")
+                             for r, c in calls.items())
+            return (f"the ranks disagree on collective #{i + 1}: {desc}. Every rank must issue the same "
+                    "collectives in the same order, or the job deadlocks.")
+    return None
+
+
+def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None = None,
+               launcher: str | None = None, pg_timeout: float = PG_TIMEOUT, stream=None,
+               wrap: tuple = (), keep: bool = False, fresh_seed: bool = True) -> Report:
+    """Run the named checks on the student's module `sources` ({filename: text}) and compare here."""
+    from launch import run as launch_run
+    t0 = time.monotonic()
+    items = plan_items(names, fresh_seed)
+    world = max(it["t"] for it in items)
+    jobdir = tempfile.mkdtemp(prefix="grader-job-")
+    try:
+        os.makedirs(os.path.join(jobdir, "student"))
+        for fname, text in sources.items():
+            with open(os.path.join(jobdir, "student", os.path.basename(fname)), "w") as f:
+                f.write(text)
+        inputs, refs = {}, {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for it in items:
+                case = get_case(it["case"])
+                gen = torch.Generator().manual_seed(it["seed"])
+                inputs[it["id"]] = case.make_inputs(it["config"], gen)
+                refs[it["id"]] = case.reference(it["config"], {k: v.clone() for k, v in inputs[it["id"]].items()})
+        torch.save(inputs, os.path.join(jobdir, "inputs.pt"))
+        with open(os.path.join(jobdir, "spec.json"), "w") as f:
+            json.dump({"items": items, "pg_timeout": pg_timeout}, f)
+        run = launch_run("grader.rank", world, [jobdir], backend=backend, launcher=launcher,
+                         timeout=job_wall_clock(len(items), pg_timeout), kill_grace=KILL_GRACE,
+                         pg_timeout=pg_timeout, stream=stream, preload=("grader.rank",), wrap=wrap,
+                         env={"PYTHONPATH": _pythonpath()}, cwd=jobdir)
+        rank_results, progress = {}, {}
+        for r in range(world):
+            p = os.path.join(jobdir, f"rank{r}.pt")
+            try:
+                rank_results[r] = torch.load(p, weights_only=True) if os.path.exists(p) else {}
+                if not isinstance(rank_results[r], dict):
+                    rank_results[r] = {}
+            except Exception:  # a forged or malicious file: treat as no result
+                rank_results[r] = {}
+            try:
+                progress[r] = json.load(open(os.path.join(jobdir, f"rank{r}.progress")))
+            except Exception:
+                progress[r] = {}
+        cases: dict[str, CaseVerdict] = {}
+        for it in items:
+            case = get_case(it["case"])
+            t = it["t"]
+            part = list(range(0, world - world % t))
+            res = {}
+            for r in part:
+                x = rank_results[r].get(it["id"])
+                res[r] = x if isinstance(x, dict) and isinstance(x.get("group"), list) and r in x["group"] else None
+            finished = [r for r in part if res[r] is not None]
+            reasons = {r: _missing_reason(r, it, run, progress, finished) for r in part if res[r] is None}
+            v = compare_item(case, it, refs[it["id"]], res, reasons)
+            d = _desync(res)
+            if d and not v.passed:
+                v.problems.insert(0, d)
+            cv = cases.setdefault(it["case"], CaseVerdict(it["case"], True))
+            cv.items.append(v)
+            cv.passed = cv.passed and v.passed
+        return Report(cases=cases, seconds=time.monotonic() - t0, run=run, jobdir=jobdir if keep else "")
+    finally:
+        if not keep:
+            shutil.rmtree(jobdir, ignore_errors=True)
+
+
+def _pythonpath() -> str:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    old = os.environ.get("PYTHONPATH", "")
+    return here + (os.pathsep + old if old else "")

@@ -1,0 +1,136 @@
+"""CommLedger: every collective a rank issues, with its phase and bytes, seen at the dispatcher.
+
+A TorchDispatchMode sees each `torch.ops.c10d.*` and `_c10d_functional.*` op before it
+runs, whatever Python wrapper the student called (dist.all_reduce, the deprecated
+all_gather_into_tensor, a P2POp batch, functional collectives), in forward and in the
+autograd backward alike. Nothing in torch.distributed is patched.
+
+Bytes are logical, never inferred from timings (gloo emulates reduce-scatter with
+all-reduce internally). For one tensor of N bytes on a group of t ranks, a ring sends
+per rank: all-reduce 2(t-1)/t N, all-gather and reduce-scatter (t-1)/t N (N = the full,
+gathered size), send N.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# dispatcher op name -> the course's name for it
+_OPS = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast_": "broadcast", "broadcast": "broadcast", "reduce_": "reduce",
+    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
+    "gather_": "gather", "scatter_": "scatter",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+    "barrier": "barrier", "monitored_barrier_": "barrier",
+}
+P2P = {"send", "recv"}
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+
+
+def _nbytes(obj) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+
+
+def ring_bytes_sent(op: str, full_bytes: int, t: int) -> float:
+    """Bytes one rank sends for `op` on a ring of t ranks (full_bytes = the full tensor)."""
+    if t <= 1:
+        return 0.0
+    return {"all_reduce": 2 * (t - 1) / t * full_bytes, "all_gather": (t - 1) / t * full_bytes,
+            "reduce_scatter": (t - 1) / t * full_bytes, "all_to_all": (t - 1) / t * full_bytes,
+            "send": full_bytes}.get(op, 0.0)
+
+
+class CommLedger(TorchDispatchMode):
+    """Record collectives. `phase` tags entries (e.g. "forward", "backward").
+
+    progress_file: rewritten before and after each collective, so a trusted process can say
+    where a rank was when a job hung ("rank 2 was still in all_reduce #3 (forward)").
+    """
+
+    def __init__(self, group_size: int = 1, progress_file: str | None = None, label: str = ""):
+        super().__init__()
+        self.label = label
+        self.group_size = group_size
+        self.phase = "setup"
+        self.entries: list[dict] = []
+        self.progress_file = progress_file
+
+    def set_phase(self, phase: str):
+        self.phase = phase
+        self._progress("between collectives")
+
+    def _progress(self, where: str, entry: dict | None = None):
+        if not self.progress_file:
+            return
+        n = Counter(e["op"] for e in self.entries)
+        state = {"item": self.label, "phase": self.phase, "where": where, "done": dict(n)}
+        if entry is not None:
+            state["op"] = entry["op"]
+            state["index"] = entry["index"]
+        tmp = self.progress_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, self.progress_file)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns = func.namespace
+        if ns in ("c10d", "_c10d_functional"):
+            name = _OPS.get(func._opname)
+            if name is not None and name != "barrier":
+                entry = self._entry(name, args)
+                self._progress("inside", entry)
+                out = func(*args, **kwargs)
+                self.entries.append(entry)
+                self._progress("between collectives")
+                return out
+        return func(*args, **kwargs)
+
+    def _entry(self, op: str, args) -> dict:
+        tensors = list(_tensors(args))
+        if op == "all_gather":       # (output, input, ...): count the gathered size
+            full = _nbytes(args[0])
+        elif op == "reduce_scatter":  # (output, input, ...): count the input size
+            full = _nbytes(args[1]) if len(args) > 1 else _nbytes(args[0])
+        else:
+            full = _nbytes(args[0]) if args else 0
+        dtype = str(tensors[0].dtype).replace("torch.", "") if tensors else ""
+        shape = list(tensors[0].shape) if tensors else []
+        index = sum(1 for e in self.entries if e["op"] == op) + 1
+        return {"phase": self.phase, "op": op, "index": index, "bytes": int(full), "dtype": dtype, "shape": shape,
+                "sent": float(ring_bytes_sent(op, full, self.group_size))}
+
+    # summaries -------------------------------------------------------------
+    def counts(self, phase: str | None = None) -> dict[str, int]:
+        return dict(Counter(e["op"] for e in self.entries if phase is None or e["phase"] == phase))
+
+    def bytes_sent(self, phase: str | None = None) -> float:
+        return sum(e["sent"] for e in self.entries if phase is None or e["phase"] == phase)
+
+    def table(self) -> str:
+        rows = [f"{'phase':<9} {'op':<15} {'count':>5} {'bytes':>10} {'sent/rank':>10}"]
+        keys = sorted({(e["phase"], e["op"]) for e in self.entries})
+        for ph, op in keys:
+            es = [e for e in self.entries if (e["phase"], e["op"]) == (ph, op)]
+            rows.append(f"{ph:<9} {op:<15} {len(es):>5} {sum(e['bytes'] for e in es):>10} "
+                        f"{sum(e['sent'] for e in es):>10.0f}")
+        return "\n".join(rows)

@@ -1,0 +1,77 @@
+"""nbgrader autograde, the trusted way.
+
+`DeferredExecute` runs the student's notebook as nbgrader always does, but tells the
+in-kernel `check()` to stand down (it would only be a self-check anyway).
+`TrustedChecks` then rebuilds the student's modules from the notebook JSON, runs every
+grade cell's checks in one job outside the kernel, and writes each verdict into that
+grade cell's outputs, which `SaveAutoGrades` scores: an error output scores 0.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+from nbformat.notebooknode import from_dict
+from nbgrader.preprocessors import Execute, NbGraderPreprocessor
+
+from grader.notebook import grade_cells, module_sources
+
+
+class DeferredExecute(Execute):
+    def preprocess(self, nb, resources):
+        old = os.environ.get("GRADER_DEFER_CHECKS")
+        os.environ["GRADER_DEFER_CHECKS"] = "1"
+        try:
+            return super().preprocess(nb, resources)
+        finally:
+            if old is None:
+                os.environ.pop("GRADER_DEFER_CHECKS", None)
+            else:
+                os.environ["GRADER_DEFER_CHECKS"] = old
+
+
+def verdict_outputs(report, names: list[str]) -> list[dict]:
+    """A passing cell gets a stdout table; a failing one an AssertionError naming the cause."""
+    failed = [report.cases[n] for n in names if n in report.cases and not report.cases[n].passed]
+    if not failed:
+        rows = [ln for ln in report.table().splitlines()[1:-1] if ln.split()[0] in names]
+        text = "\n".join([report.table().splitlines()[0], *rows]) + "\n"
+        return [from_dict({"output_type": "stream", "name": "stdout", "text": text})]
+    msg = "\n".join(c.message() for c in failed)
+    return [from_dict({"output_type": "error", "ename": "AssertionError", "evalue": msg,
+                       "traceback": ["AssertionError: " + msg]})]
+
+
+def run_trusted(nb, log=None):
+    """Run all grade-cell checks of `nb` outside the kernel; returns (cells, report or exception)."""
+    from grader.job import run_checks
+    cells = grade_cells(nb)
+    names: list[str] = []
+    for _, _, ns, _ in cells:
+        names += [n for n in ns if n not in names]
+    if not names:
+        return cells, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            report = run_checks(names, module_sources(nb))
+        except Exception as exc:  # the grader itself failed: never a silent pass
+            if log:
+                log.error("trusted checks failed to run: %s", exc)
+            return cells, exc
+    return cells, report
+
+
+class TrustedChecks(NbGraderPreprocessor):
+    def preprocess(self, nb, resources):
+        cells, report = run_trusted(nb, self.log)
+        for i, cell, names, _ in cells:
+            if isinstance(report, Exception):
+                cell.outputs = [from_dict({"output_type": "error", "ename": "GraderError", "evalue": str(report),
+                                           "traceback": [f"the grader could not run: {report}"]})]
+            elif report is not None:
+                cell.outputs = verdict_outputs(report, names)
+        if report is not None and not isinstance(report, Exception):
+            self.log.info("trusted checks: %d/%d passed in %.1f s",
+                          sum(c.passed for c in report.cases.values()), len(report.cases), report.seconds)
+        return nb, resources

@@ -1,0 +1,81 @@
+"""Drive nbgrader from Python: release labs/ from solutions/, autograde a scratch class.
+
+Everything runs in a scratch course folder, so no gradebook.db lands in the repository.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def weeks(root: str = ROOT) -> list[str]:
+    d = os.path.join(root, "solutions")
+    return sorted(w for w in os.listdir(d) if os.path.isdir(os.path.join(d, w)) and w.startswith("week"))
+
+
+def nbgrader(args: list[str], course: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the nbgrader CLI with this repo's config, rooted at `course`."""
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # nbgrader needs alembic
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "nbgrader", *args, f"--CourseDirectory.root={course}"]
+    p = subprocess.run(cmd, cwd=course, env=env, capture_output=True, text=True)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"nbgrader {' '.join(args)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def scratch_course(week_list: list[str] | None = None) -> str:
+    """A temp nbgrader course: this repo's config and the chosen weeks' solutions."""
+    course = tempfile.mkdtemp(prefix="tp-course-")
+    shutil.copy(os.path.join(ROOT, "nbgrader_config.py"), course)
+    for w in week_list or weeks():
+        shutil.copytree(os.path.join(ROOT, "solutions", w), os.path.join(course, "solutions", w))
+    return course
+
+
+def release(week_list: list[str] | None = None, dest: str | None = None) -> list[str]:
+    """Regenerate the student release of each week into dest (default: this repo's labs/)."""
+    week_list = week_list or weeks()
+    dest = dest or os.path.join(ROOT, "labs")
+    course = scratch_course(week_list)
+    written = []
+    try:
+        for w in week_list:
+            nbgrader(["generate_assignment", w, "--force"], course)
+            out = os.path.join(dest, w)
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(os.path.join(course, "labs", w), out)
+            written += [os.path.join(out, f) for f in sorted(os.listdir(out))]
+    finally:
+        shutil.rmtree(course, ignore_errors=True)
+    return written
+
+
+def gradebook_rows(course: str, week: str) -> list[dict]:
+    from nbgrader.api import Gradebook
+    with Gradebook(f"sqlite:///{os.path.join(course, 'gradebook.db')}") as gb:
+        rows = []
+        for sub in gb.assignment_submissions(week):
+            rows.append({"student": sub.student_id, "score": sub.score, "max_score": sub.max_score,
+                         "cells": {g.name: g.score for nb in sub.notebooks for g in nb.grades}})
+        return sorted(rows, key=lambda r: r["student"])
+
+
+def autograde(course: str, week: str, submissions: dict[str, dict], extra: list[str] = ()) -> list[dict]:
+    """Put each {student: notebook_json} under submitted/ and autograde them; returns gradebook rows."""
+    nb_name = [f for f in os.listdir(os.path.join(course, "labs", week)) if f.endswith(".ipynb")][0]
+    for student, nb in submissions.items():
+        d = os.path.join(course, "submitted", student, week)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, nb_name), "w") as f:
+            json.dump(nb, f, indent=1)
+        nbgrader(["db", "student", "add", student], course)
+    nbgrader(["autograde", week, "--force", *extra], course)
+    return gradebook_rows(course, week)

@@ -1,0 +1,59 @@
+"""Read a lab notebook's JSON: the student's modules (%%writefile cells) and the grade cells' checks.
+
+The trusted path never asks the kernel: it rebuilds the modules from the notebook source,
+so whatever the kernel did (patching torch, redefining `check`) cannot reach the grade.
+"""
+from __future__ import annotations
+
+import ast
+import re
+
+_WRITEFILE = re.compile(r"^%%writefile(\s+-a|\s+--append)?\s+(\S+)\s*\n?")
+
+
+def cell_source(cell) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def module_sources(nb) -> dict[str, str]:
+    """{filename: text} as the %%writefile cells would leave the folder, in notebook order."""
+    files: dict[str, str] = {}
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") != "code":
+            continue
+        src = cell_source(cell).lstrip("\n")
+        m = _WRITEFILE.match(src)
+        if not m:
+            continue
+        body = src[m.end():]
+        if body and not body.endswith("\n"):
+            body += "\n"   # %%writefile writes the cell plus a newline
+        name = m.group(2).split("/")[-1]
+        files[name] = (files.get(name, "") + body) if m.group(1) else body
+    return files
+
+
+def check_names(source: str) -> list[str]:
+    """The string arguments of every `check(...)` call in a cell (hidden tests included)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return re.findall(r"check\(\s*[\"']([^\"']+)[\"']", source)
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "check":
+            names += [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    return names
+
+
+def grade_cells(nb) -> list[tuple[int, dict, list[str], float]]:
+    """(index, cell, check names, points) for every nbgrader grade cell that calls check()."""
+    out = []
+    for i, cell in enumerate(nb.get("cells", [])):
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if cell.get("cell_type") == "code" and meta.get("grade"):
+            names = check_names(cell_source(cell))
+            if names:
+                out.append((i, cell, names, float(meta.get("points", 0))))
+    return out

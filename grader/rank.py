@@ -1,0 +1,105 @@
+"""Rank entry of a grading job: `python -m grader.rank JOBDIR` on every rank.
+
+Each item of the job (a case at one tensor-parallel size t) gets its own process
+group, made up front by every rank in the same order. A student bug that leaves one
+rank waiting in item k then times out inside item k's group and cannot be matched
+by a collective of item k+1.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from grader.case import RankContext, get_case
+from grader.ledger import CommLedger
+
+
+def user_traceback(exc: BaseException, student_dir: str) -> str:
+    """The traceback from the student's first frame on: the harness's frames are noise to them."""
+    te = traceback.TracebackException.from_exception(exc)
+    frames = list(te.stack)
+    first = next((i for i, f in enumerate(frames) if f.filename.startswith(student_dir)), None)
+    if first is not None:
+        te.stack = traceback.StackSummary.from_list(frames[first:])
+    return "".join(te.format())
+
+
+def _save(path: str, results: dict):
+    tmp = path + ".tmp"
+    torch.save(results, tmp)
+    os.replace(tmp, path)
+
+
+def main(jobdir: str) -> int:
+    spec = json.load(open(os.path.join(jobdir, "spec.json")))
+    from launch.dist import init_process_group
+    rank, world, device = init_process_group(timeout_s=spec["pg_timeout"])
+    torch.set_num_threads(1)
+    student_dir = os.path.realpath(os.path.join(jobdir, "student"))
+    inputs_all = torch.load(os.path.join(jobdir, "inputs.pt"), weights_only=True)
+    timeout = datetime.timedelta(seconds=spec["pg_timeout"])
+
+    # groups for every item, created by all ranks in the same order before any student code runs
+    plans = []
+    for item in spec["items"]:
+        t = item["t"]
+        mine = None
+        for start in range(0, world - world % t, t):
+            ranks = list(range(start, start + t))
+            g = dist.group.WORLD if t == world else dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine = (g, ranks)
+        plans.append(mine)
+
+    out_path = os.path.join(jobdir, f"rank{rank}.pt")
+    progress = os.path.join(jobdir, f"rank{rank}.progress")
+    results: dict = {}
+    sys.path.insert(0, student_dir)
+    modules: dict = {}
+    for item, plan in zip(spec["items"], plans):
+        if plan is None:      # this rank sits the item out (e.g. t=3 on a 4-rank job)
+            continue
+        group, ranks = plan
+        case = get_case(item["case"])
+        ledger = CommLedger(group_size=item["t"], progress_file=progress, label=item["id"])
+        ctx = RankContext(rank=ranks.index(rank), world_size=item["t"],
+                          group=None if item["t"] == world else group, device=device, ledger=ledger)
+        res = {"group": ranks, "tensors": {}, "params": {}, "ledger": [], "error": "", "seconds": 0.0}
+        with open(progress, "w") as f:
+            json.dump({"item": item["id"], "phase": "import", "where": "importing your module"}, f)
+        t0 = time.perf_counter()
+        try:
+            if case.module not in modules:
+                modules[case.module] = importlib.import_module(case.module)
+            inputs = {k: v.to(device) for k, v in inputs_all[item["id"]].items()}
+            ledger.progress_file = progress
+            with ledger:
+                out = case.run_rank(modules[case.module], item["config"], inputs, ctx)
+            res["tensors"] = {k: (v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else None)
+                              for k, v in out.items()}
+        except BaseException as exc:  # SystemExit from student code too: it must not skip the report
+            res["error"] = user_traceback(exc, student_dir)
+        res["seconds"] = time.perf_counter() - t0
+        res["params"] = ctx.params
+        res["ledger"] = ledger.entries
+        results[item["id"]] = res
+        _save(out_path, results)
+    with open(progress, "w") as f:
+        json.dump({"item": None, "phase": "done", "where": "finished"}, f)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,97 @@
+"""Make student submissions from the released lab: the solution, the stub, or a fixture.
+
+A fixture folder `tests/fixtures/weekNN/` holds module files and `manifest.json`:
+
+    {"notebook": "tp_linear.ipynb",
+     "submissions": {
+       "bias_every_rank": {
+         "why": "row-parallel adds the bias on every rank",
+         "base": "solution",                         # or "stub" (default): the rest of the notebook
+         "module": {"tp_linear.py": "bias_every_rank.py"},   # whole-module replacement
+         "append_cell": "def check(*a, **k): print('ok')",    # a cell added after the setup cell
+         "edit_grade": {"check_row": "print('all good')"},     # a locked grade cell edited
+         "delete_grade": ["check_mlp"],                        # a grade cell deleted
+         "expect": {"check_column": "pass", "check_row": "fail"},
+         "messages": ["added once"]}}}                         # must appear in the failure output
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+
+import nbformat
+
+from grader.nbgrader_tools import ROOT
+from grader.notebook import _WRITEFILE, cell_source, module_sources
+
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+
+
+def load_manifest(week: str) -> dict:
+    path = os.path.join(FIXTURES, week, "manifest.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def lab_notebooks(week: str) -> tuple[dict, dict]:
+    """(solution notebook, released notebook) as JSON dicts."""
+    man = load_manifest(week)
+    sol = nbformat.read(os.path.join(ROOT, "solutions", week, man["notebook"]), as_version=4)
+    rel = nbformat.read(os.path.join(ROOT, "labs", week, man["notebook"]), as_version=4)
+    return sol, rel
+
+
+def replace_modules(nb, files: dict[str, str]):
+    """Put each file's text in its first %%writefile cell; empty the cells that append to it."""
+    done = set()
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        src = cell_source(cell).lstrip("\n")
+        m = _WRITEFILE.match(src)
+        if not m:
+            continue
+        name = m.group(2).split("/")[-1]
+        if name not in files:
+            continue
+        if name in done:
+            cell.source = m.group(0).rstrip("\n") + "\n# (moved into the first cell)\n"
+        else:
+            cell.source = f"%%writefile {m.group(2)}\n" + files[name]
+            done.add(name)
+    missing = set(files) - done
+    if missing:
+        raise ValueError(f"no %%writefile cell for {sorted(missing)} in the notebook")
+
+
+def build(week: str, spec: dict):
+    sol, rel = lab_notebooks(week)
+    nb = copy.deepcopy(rel)
+    if spec.get("base", "stub") == "solution":
+        replace_modules(nb, {k: re.sub(r"[ \t]*### (BEGIN|END) SOLUTION\n", "", v)
+                             for k, v in module_sources(sol).items()})
+    if "module" in spec:
+        files = {}
+        for target, fname in spec["module"].items():
+            with open(os.path.join(FIXTURES, week, fname)) as f:
+                files[target] = f.read()
+        replace_modules(nb, files)
+    if "append_cell" in spec:
+        setup = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "import" in cell_source(c))
+        nb.cells.insert(setup + 1, nbformat.v4.new_code_cell(spec["append_cell"]))
+    for gid, src in spec.get("edit_grade", {}).items():
+        cell = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == gid)
+        cell.source = src
+    for gid in spec.get("delete_grade", []):
+        nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") != gid]
+    return nb
+
+
+def solution_submission(week: str):
+    return build(week, {"base": "solution"})
+
+
+def stub_submission(week: str):
+    return build(week, {})

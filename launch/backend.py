@@ -1,0 +1,39 @@
+"""Which backend and launcher a job uses.
+
+NCCL needs one GPU per rank; everything else runs on gloo/CPU with the same student code.
+Override with COURSE_BACKEND=gloo|nccl and COURSE_LAUNCHER=fork|torchrun.
+"""
+import os
+
+
+def cuda_device_count() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # torch missing or broken CUDA: fall back to CPU
+        return 0
+
+
+def pick_backend(nproc: int, requested: str | None = None) -> str:
+    choice = (requested or os.environ.get("COURSE_BACKEND") or "auto").lower()
+    if choice not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend {choice!r} is unknown: use 'gloo', 'nccl' or 'auto'")
+    if choice == "auto":
+        return "nccl" if cuda_device_count() >= nproc else "gloo"
+    if choice == "nccl" and cuda_device_count() < nproc:
+        raise RuntimeError(
+            f"backend 'nccl' needs one GPU per rank: {nproc} ranks but {cuda_device_count()} CUDA devices. "
+            "Use fewer ranks or backend='gloo'.")
+    return choice
+
+
+def default_launcher(backend: str, requested: str | None = None) -> str:
+    """fork (one torch import for all ranks) on CPU; torchrun for NCCL, where forking CUDA is unsafe."""
+    choice = (requested or os.environ.get("COURSE_LAUNCHER") or "auto").lower()
+    if choice not in ("auto", "fork", "torchrun"):
+        raise ValueError(f"launcher {choice!r} is unknown: use 'fork', 'torchrun' or 'auto'")
+    if choice == "auto":
+        return "torchrun" if backend == "nccl" else "fork"
+    if choice == "fork" and backend == "nccl":
+        raise ValueError("the fork launcher cannot start NCCL ranks (CUDA does not survive fork): use launcher='torchrun'")
+    return choice

@@ -1,0 +1,174 @@
+"""Warm local launcher: import torch once, then fork N ranks with torchrun's environment.
+
+torchrun starts an agent and N fresh interpreters, each importing torch (about 1.5 s
+of CPU apiece, 12 s for 4 ranks on 2 cores). Forking from one process that has
+already imported torch makes a rank cost a fork. Each rank sees the same variables
+torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), so `init_process_group()`
+with env:// rendezvous behaves the same. CPU/gloo only: CUDA does not survive fork.
+
+    python -m launch.forkrun --nproc 4 --status S.json (-m MODULE | SCRIPT) [ARGS...]
+"""
+import argparse
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import time
+import uuid
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(rank: int, nproc: int, port: int, run_id: str) -> dict:
+    """The variables torchrun --standalone gives a worker on one node."""
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+        "ROLE_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+
+
+def print_user_traceback(exc: BaseException):
+    """The traceback as torchrun would show it: without this launcher's and runpy's frames."""
+    import traceback
+    te = traceback.TracebackException.from_exception(exc)
+    te.stack = traceback.StackSummary.from_list(
+        [f for f in te.stack if not (f.filename == __file__ or "runpy" in f.filename)])
+    print("".join(te.format()), end="", file=sys.stderr)
+
+
+def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd):
+    os.dup2(write_fd, 1)
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    os.environ.update(torchrun_env(rank, nproc, port, run_id))
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    code = 0
+    try:
+        if is_module:
+            sys.argv = [target, *args]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *args]
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException as e:
+        print_user_traceback(e)
+        code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.forkrun")
+    p.add_argument("--nproc", type=int, required=True)
+    p.add_argument("--status", required=True, help="JSON file for per-rank exit codes")
+    p.add_argument("--preload", default="", help="comma-separated modules to import before forking")
+    p.add_argument("-m", dest="module", action="store_true", help="target is a module")
+    p.add_argument("target")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+
+    import torch  # the whole point: paid once, shared by every rank via fork
+    torch.set_num_threads(1)
+    for name in filter(None, a.preload.split(",")):
+        importlib.import_module(name)
+    if a.module is False and os.path.dirname(os.path.abspath(a.target)) not in sys.path:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(a.target)))
+    if a.module and "" not in sys.path:
+        sys.path.insert(0, "")
+
+    port, run_id = free_port(), uuid.uuid4().hex[:8]
+    sel = selectors.DefaultSelector()
+    pids, bufs = {}, {}
+    for rank in range(a.nproc):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            for other in list(bufs):
+                os.close(other)
+            _rank_main(rank, a.nproc, port, run_id, a.target, a.module, a.args, w)
+        os.close(w)
+        pids[pid] = rank
+        bufs[r] = (rank, b"")
+        sel.register(r, selectors.EVENT_READ)
+
+    exitcodes, order = {}, []
+
+    def stop_all(sig):
+        for pid, rank in pids.items():
+            if rank not in exitcodes:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    signal.signal(signal.SIGTERM, lambda *_: (stop_all(signal.SIGKILL), os._exit(143)))
+    out = sys.stdout.buffer
+    kill_at, term_sent = None, False
+    while len(exitcodes) < a.nproc or sel.get_map():
+        for key, _ in sel.select(timeout=0.05):
+            fd = key.fd
+            rank, buf = bufs[fd]
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                sel.unregister(fd)
+                os.close(fd)
+                if buf:
+                    out.write(b"[rank %d] " % rank + buf + b"\n")
+                continue
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                out.write(b"[rank %d] " % rank + line + b"\n")
+            bufs[fd] = (rank, buf)
+            out.flush()
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid not in pids:
+                continue
+            rank = pids[pid]
+            code = os.waitstatus_to_exitcode(status)
+            exitcodes[rank] = code
+            order.append(rank)
+            if code != 0 and kill_at is None:
+                kill_at = time.monotonic() + 0.5  # like torchrun: one failed rank stops the job
+        if kill_at is not None and time.monotonic() > kill_at:
+            # TERM first so ranks can flush; KILL whoever ignores it
+            stop_all(signal.SIGTERM if not term_sent else signal.SIGKILL)
+            term_sent, kill_at = True, time.monotonic() + 2.0
+        if len(exitcodes) == a.nproc and not sel.get_map():
+            break
+    first = next((r for r in order if exitcodes[r] != 0), None)
+    with open(a.status, "w") as f:
+        json.dump({"exitcodes": exitcodes, "order": order, "first_failure": first}, f)
+    return 0 if first is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

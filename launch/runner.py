@@ -1,0 +1,235 @@
+"""`run()`: N local ranks, output prefixed `[rank r]`, a wall clock, nothing left behind.
+
+The job runs in its own process session. On timeout the whole group gets SIGTERM
+(torchrun's agent then stops its workers), then SIGKILL after `kill_grace`.
+Every process of the job carries COURSE_JOB_ID in its environment, so a rank that
+escaped the group with setsid() is found in /proc and killed too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from launch.backend import default_launcher, pick_backend
+
+_TORCHRUN_PREFIX = re.compile(r"^\[default(\d+)\]:")
+_RANK_PREFIX = re.compile(r"^\[rank (\d+)\] ?")
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    exitcodes: dict[int, int]        # rank -> exit status (negative: killed by that signal)
+    output: str                      # every line, prefixed `[rank r]`
+    timed_out: bool
+    seconds: float
+    nproc: int
+    backend: str
+    launcher: str
+    first_failure: int | None = None
+    leftovers_killed: int = 0
+    command: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def rank_output(self, rank: int) -> str:
+        lines = []
+        for line in self.output.splitlines():
+            m = _RANK_PREFIX.match(line)
+            if m and int(m.group(1)) == rank:
+                lines.append(line[m.end():])
+        return "\n".join(lines)
+
+    def root_cause(self) -> str:
+        """The failing rank's traceback, the first rank to fail first."""
+        if self.timed_out:
+            return f"the job did not finish within its wall clock ({self.seconds:.0f} s): a rank hung or deadlocked"
+        rank = self.first_failure
+        if rank is None:
+            bad = [r for r, c in sorted(self.exitcodes.items()) if c != 0]
+            rank = bad[0] if bad else None
+        if rank is None:
+            return "" if self.ok else self.output[-4000:]
+        text = self.rank_output(rank)
+        i = text.rfind("Traceback (most recent call last)")
+        code = self.exitcodes.get(rank)
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        return f"rank {rank} failed first ({how}):\n" + (text[i:] if i >= 0 else text[-4000:])
+
+    def raise_for_failure(self):
+        if not self.ok:
+            raise RuntimeError(self.root_cause())
+
+
+def rank_env(backend: str, pg_timeout: float | None = None) -> dict:
+    env = {"COURSE_BACKEND": backend, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if pg_timeout is not None:
+        env["COURSE_PG_TIMEOUT"] = str(pg_timeout)
+    return env
+
+
+def kill_job_processes(job_id: str) -> int:
+    """Kill every process whose environment carries COURSE_JOB_ID=job_id. Returns how many."""
+    needle = f"COURSE_JOB_ID={job_id}".encode()
+    killed = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            os.kill(int(pid), signal.SIGKILL)
+            killed += 1
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
+def _killpg(pgid: int, sig: int):
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = True,
+        backend: str | None = None, launcher: str | None = None, timeout: float = 120.0,
+        kill_grace: float = 3.0, env: dict | None = None, cwd: str | None = None,
+        stream: Callable[[str], None] | None = None, preload: Sequence[str] = (),
+        wrap: Sequence[str] = (), pg_timeout: float | None = None) -> RunResult:
+    """Run `target` (a module with module=True, else a script path) on `nproc` local ranks.
+
+    wrap: a command prefix (e.g. a sandbox) placed before the Python interpreter.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {nproc}")
+    backend = pick_backend(nproc, backend)
+    launcher = default_launcher(backend, launcher)
+    job_id = uuid.uuid4().hex
+    full_env = dict(os.environ)
+    full_env.update(rank_env(backend, pg_timeout))
+    full_env["COURSE_JOB_ID"] = job_id
+    full_env.update(env or {})
+    status_dir = tempfile.mkdtemp(prefix="launch-")
+    status_file = os.path.join(status_dir, "status.json")
+    py = [sys.executable]
+    if launcher == "fork":
+        cmd = [*wrap, *py, "-m", "launch.forkrun", "--nproc", str(nproc), "--status", status_file]
+        if preload:
+            cmd += ["--preload", ",".join(preload)]
+    else:
+        cmd = [*wrap, *py, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "0",
+               "--nproc-per-node", str(nproc), "--tee", "3"]
+    cmd += (["-m", target] if module else [target]) + list(args)
+
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=full_env, cwd=cwd, start_new_session=True)
+    lines: list[str] = []
+    timed_out = False
+    deadline = t0 + timeout
+    os.set_blocking(proc.stdout.fileno(), False)
+    buf = b""
+    import selectors
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    max_bytes, seen_bytes, truncated = 2_000_000, 0, False
+
+    def emit(raw: bytes):
+        nonlocal seen_bytes, truncated
+        line = raw.decode("utf-8", "replace")
+        m = _TORCHRUN_PREFIX.match(line)
+        if m:
+            line = f"[rank {m.group(1)}] " + line[m.end():]
+        seen_bytes += len(raw)
+        if seen_bytes > max_bytes:  # a rank printing without end must not fill memory
+            if not truncated:
+                truncated = True
+                lines.append("[launch] output truncated after 2 MB")
+            return
+        lines.append(line)
+        if stream:
+            stream(line)
+
+    open_pipe = True
+    while open_pipe:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            timed_out = True
+            break
+        for _key, _ in sel.select(timeout=min(remaining, 0.1)):
+            try:
+                chunk = proc.stdout.read(65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                open_pipe = False
+                break
+            buf += chunk
+            *done, buf = buf.split(b"\n")
+            for raw in done:
+                emit(raw)
+        if proc.poll() is not None and not sel.select(timeout=0):
+            # the launcher exited; drain what is left
+            try:
+                rest = proc.stdout.read() or b""
+            except BlockingIOError:
+                rest = b""
+            buf += rest
+            open_pipe = False
+    if buf:
+        for raw in buf.split(b"\n"):
+            if raw:
+                emit(raw)
+    if timed_out:
+        _killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=kill_grace)
+        except subprocess.TimeoutExpired:
+            pass
+        _killpg(proc.pid, signal.SIGKILL)
+    try:
+        proc.wait(timeout=kill_grace)
+    except subprocess.TimeoutExpired:
+        _killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    _killpg(proc.pid, signal.SIGKILL)  # ranks the launcher left behind
+    leftovers = kill_job_processes(job_id)
+    sel.close()
+    proc.stdout.close()
+    seconds = time.monotonic() - t0
+
+    exitcodes: dict[int, int] = {}
+    first = None
+    if launcher == "fork" and os.path.exists(status_file):
+        st = json.load(open(status_file))
+        exitcodes = {int(k): v for k, v in st["exitcodes"].items()}
+        first = st["first_failure"]
+    elif launcher == "torchrun":
+        exitcodes = {r: 0 for r in range(nproc)} if proc.returncode == 0 else {}
+        text = "\n".join(lines)
+        for m in re.finditer(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", text):
+            exitcodes[int(m.group(1))] = int(m.group(2))
+        rc = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", text, re.S)
+        first = int(rc.group(1)) if rc else None
+    try:
+        os.remove(status_file)
+        os.rmdir(status_dir)
+    except OSError:
+        pass
+    returncode = proc.returncode if not timed_out else 124
+    return RunResult(returncode=returncode, exitcodes=exitcodes, output="\n".join(lines), timed_out=timed_out,
+                     seconds=seconds, nproc=nproc, backend=backend, launcher=launcher, first_failure=first,
+                     leftovers_killed=leftovers, command=cmd)
