@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -50,7 +51,23 @@ class CaseVerdict:
         return out
 
     def message(self, limit: int = 6) -> str:
-        probs = self.problems
+        """Problems, each said once: "[t=2, 4] all ranks: ..." rather than eight copies."""
+        groups: dict[str, list[tuple[int, str]]] = {}
+        sizes: dict[int, int] = {it.t: it.t for it in self.items}
+        for it in self.items:
+            for p in it.problems:
+                m = re.match(r"rank (\d+)(.*)", p, re.S)
+                key, who = ("rank *" + m.group(2), m.group(1)) if m else (p, "")
+                groups.setdefault(key, []).append((it.t, who))
+        probs = []
+        for key, hits in groups.items():
+            ts = sorted({t for t, _ in hits})
+            whos = sorted({w for _, w in hits if w}, key=int)
+            if whos:
+                everyone = all(len({w for tt, w in hits if tt == t}) == sizes[t] for t in ts)
+                who = "all ranks" if everyone else ("rank " if len(whos) == 1 else "ranks ") + ", ".join(whos)
+                key = key.replace("rank *", who, 1)
+            probs.append(f"[t={', '.join(map(str, ts))}] {key}")
         head = f"{self.name}: FAILED"
         body = "\n".join(f"  - {p}".replace("\n", "\n    ") for p in probs[:limit])
         more = f"\n  ... and {len(probs) - limit} more problem(s) of the same check." if len(probs) > limit else ""

@@ -26,6 +26,10 @@ def user_traceback(exc: BaseException, student_dir: str) -> str:
     """The traceback from the student's first frame on: the harness's frames are noise to them."""
     te = traceback.TracebackException.from_exception(exc)
     frames = list(te.stack)
+    codes = [f.f_code for f, _ in traceback.walk_tb(exc.__traceback__)]
+    if len(codes) == len(frames):   # "ColumnParallelLinear.from_dense", not just "from_dense"
+        for fs, code in zip(frames, codes):
+            fs.name = getattr(code, "co_qualname", fs.name)
     first = next((i for i, f in enumerate(frames) if f.filename.startswith(student_dir)), None)
     if first is not None:
         te.stack = traceback.StackSummary.from_list(frames[first:])

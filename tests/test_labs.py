@@ -1,0 +1,68 @@
+"""Every lab, discovered from solutions/: release matches, solution full marks, stub zero,
+and each week's fixtures of wrong submissions get the verdicts their manifest promises."""
+import filecmp
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from grader.nbgrader_plugin import run_trusted
+from grader.nbgrader_tools import ROOT, weeks
+from grader.notebook import grade_cells
+from grader.submissions import FIXTURES, build, load_manifest
+
+WEEKS = weeks()
+FIXTURE_CASES = [(w, name) for w in WEEKS if os.path.exists(os.path.join(FIXTURES, w, "manifest.json"))
+                 for name in load_manifest(w)["submissions"]]
+
+
+def verdicts(nb):
+    """{grade_id: (passed, text)} from the trusted path."""
+    cells, report = run_trusted(nb)
+    assert not isinstance(report, Exception), f"the grader itself failed: {report}"
+    out = {}
+    for _, cell, names, _ in cells:
+        gid = cell.metadata["nbgrader"]["grade_id"]
+        failed = [report.cases[n] for n in names if not report.cases[n].passed]
+        out[gid] = (not failed, "\n".join(c.message() for c in failed))
+    return out, report
+
+
+def test_release_matches_solutions():
+    """labs/ is exactly what nbgrader generate_assignment makes from solutions/."""
+    from grader.nbgrader_tools import release
+    tmp = tempfile.mkdtemp()
+    try:
+        release(WEEKS, dest=tmp)
+        for w in WEEKS:
+            cmp = filecmp.dircmp(os.path.join(tmp, w), os.path.join(ROOT, "labs", w))
+            assert not (cmp.left_only or cmp.right_only or cmp.diff_files), (
+                f"labs/{w} is stale: run `make labs` (differs: {cmp.left_only + cmp.right_only + cmp.diff_files})")
+    finally:
+        shutil.rmtree(tmp)
+
+
+@pytest.mark.parametrize("week", WEEKS)
+def test_solution_and_stub_trusted(week):
+    got, report = verdicts(build(week, {"base": "solution"}))
+    assert all(ok for ok, _ in got.values()), f"the solution fails:\n" + "\n".join(t for _, t in got.values())
+    got, _ = verdicts(build(week, {}))
+    assert not any(ok for ok, _ in got.values()), f"a stub passes: {[g for g, (ok, _) in got.items() if ok]}"
+    for gid, (_, text) in got.items():
+        assert "not implemented yet" in text or "NotImplementedError" in text, f"{gid}: unhelpful stub message:\n{text}"
+
+
+@pytest.mark.parametrize("week,name", FIXTURE_CASES, ids=[f"{w}-{n}" for w, n in FIXTURE_CASES])
+def test_fixture_verdict(week, name):
+    spec = load_manifest(week)["submissions"][name]
+    if spec.get("nbgrader_only"):
+        pytest.skip("kernel/notebook tampering: checked through nbgrader autograde in test_autograde.py")
+    got, report = verdicts(build(week, spec))
+    for gid, want in spec["expect"].items():
+        ok, text = got[gid]
+        assert ok == (want == "pass"), f"{name}: {gid} should {want}:\n{text}"
+    text = "\n".join(t for _, t in got.values())
+    for m in spec.get("messages", []):
+        assert m.lower() in text.lower(), f"{name}: the verdict does not say {m!r}:\n{text}"
+    assert report.run.leftovers_killed == 0 or spec.get("leaves_processes"), "processes were left behind"
