@@ -1,0 +1,246 @@
+"""Pipeline schedules as data: generate them, execute them, measure their bubble.
+
+A schedule is one list of actions per pipeline rank (stage). An action is a tuple
+`(kind, mb)` or `(kind, mb, chunk)`: kind "F" (forward) or "B" (backward) of micro-batch
+`mb`, on model chunk `chunk` (0 unless interleaved: rank r holds chunks r, r+p, r+2p, ...).
+
+`simulate` executes the lists as a real pipeline would: each rank runs its list in order,
+and an action starts when its rank is free and its inputs exist:
+    F(mb) on virtual stage s   needs F(mb) on s-1 finished           (the activation)
+    B(mb) on virtual stage s   needs F(mb) on s and B(mb) on s+1     (the stored input, the grad)
+With every F costing t_f and every B costing t_b, GPipe and 1F1B take (m + p - 1)(t_f + t_b),
+so the idle ("bubble") fraction of the step is (p-1)/(m+p-1) (Huang et al. 2019; Narayanan
+et al. 2021, Sec. 2.2). Interleaving v chunks per rank shrinks it to (p-1)/(v m + p - 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+
+def gpipe(p: int, m: int) -> list[list[tuple]]:
+    """All forwards, then all backwards (GPipe, Huang et al. 2019): m activations in flight."""
+    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
+
+
+def one_f_one_b(p: int, m: int) -> list[list[tuple]]:
+    """1F1B / PipeDream-Flush (Narayanan et al. 2021): rank s runs p-s-1 warm-up forwards,
+    then alternates one forward and one backward, then drains the remaining backwards.
+    At most p - s micro-batches are in flight on rank s (GPipe: m)."""
+    out = []
+    for s in range(p):
+        warm = min(p - s - 1, m)
+        acts = [("F", i) for i in range(warm)]
+        f, b = warm, 0
+        while f < m:                       # steady state: one forward, one backward
+            acts += [("F", f), ("B", b)]
+            f, b = f + 1, b + 1
+        acts += [("B", i) for i in range(b, m)]  # cool-down
+        out.append(acts)
+    return out
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> list[list[tuple]]:
+    """Interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2.2): v chunks per rank, m % p == 0.
+
+    Micro-batches go through the chunks in groups of p: rank r runs forwards of mbs 0..p-1 on
+    chunk 0, then the same mbs on chunk 1, ...; backwards walk the chunks in reverse.
+    Warm-up: (p - r - 1) * 2 + (v - 1) * p forwards (Megatron-LM's count)."""
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs m % p == 0 (m={m}, p={p})")
+    total = m * v
+
+    def fwd(k):        # k-th forward on a rank -> (mb, chunk)
+        grp, within = divmod(k, p * v)
+        return grp * p + within % p, within // p
+
+    def bwd(k):
+        mb, c = fwd(k)
+        return mb, v - 1 - c
+
+    out = []
+    for r in range(p):
+        warm = min((p - r - 1) * 2 + (v - 1) * p, total)
+        acts = [("F", *fwd(k)) for k in range(warm)]
+        f, b = warm, 0
+        while f < total:
+            acts += [("F", *fwd(f)), ("B", *bwd(b))]
+            f, b = f + 1, b + 1
+        acts += [("B", *bwd(k)) for k in range(b, total)]
+        out.append(acts)
+    return out
+
+
+@dataclass
+class Timeline:
+    """What `simulate` measured. `events[r]` = [(start, end, kind, mb, chunk)] on rank r."""
+    p: int
+    m: int
+    v: int
+    events: list[list[tuple]] = field(default_factory=list)
+    makespan: float = 0.0
+    busy: list[float] = field(default_factory=list)
+    peak_in_flight: list[int] = field(default_factory=list)   # stored activations (micro-batch x chunk)
+    stuck: tuple | None = None          # (rank, position, action, what it waits for) of a deadlock
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def idle(self) -> list[float]:
+        return [self.makespan - b for b in self.busy]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle time over total time, summed over ranks."""
+        return sum(self.idle) / (self.p * self.makespan) if self.makespan else 0.0
+
+
+def _norm(a) -> tuple:
+    if not isinstance(a, (tuple, list)) or len(a) not in (2, 3) or a[0] not in ("F", "B"):
+        raise ValueError(f"an action must be ('F'|'B', mb) or ('F'|'B', mb, chunk); got {a!r}")
+    return (a[0], int(a[1]), int(a[2]) if len(a) == 3 else 0)
+
+
+def simulate(schedule, m: int | None = None, v: int = 1, t_f: float = 1.0, t_b: float = 2.0) -> Timeline:
+    """Execute per-rank action lists with F costing t_f and B costing t_b (per chunk: /v).
+
+    Never raises on a bad schedule: missing, duplicated or unknown actions go to
+    `problems`, and a dependency that can never be met stops the simulation with `stuck`.
+    """
+    p = len(schedule)
+    acts = [[_norm(a) for a in row] for row in schedule]
+    if m is None:
+        m = 1 + max((a[1] for row in acts for a in row), default=-1)
+    tl = Timeline(p=p, m=m, v=v, events=[[] for _ in range(p)], busy=[0.0] * p, peak_in_flight=[0] * p)
+    for r, row in enumerate(acts):
+        want = {(k, i, c) for k in "FB" for i in range(m) for c in range(v)}
+        seen = {}
+        for a in row:
+            seen[a] = seen.get(a, 0) + 1
+        for a in sorted(want - set(seen)):
+            tl.problems.append(f"rank {r} never runs {a[0]}(mb {a[1]}" + (f", chunk {a[2]})" if v > 1 else ")"))
+        for a, n in sorted(seen.items()):
+            if a not in want:
+                tl.problems.append(f"rank {r} runs {a} which is outside m={m}, v={v}")
+            elif n > 1:
+                tl.problems.append(f"rank {r} runs {a[0]}(mb {a[1]}) {n} times")
+    cost = {"F": t_f / v, "B": t_b / v}
+    n_virtual = p * v
+    done: dict[tuple, float] = {}           # (kind, mb, virtual stage) -> finish time
+    pos, clock, live = [0] * p, [0.0] * p, [0] * p
+
+    def needs(r, a):
+        kind, mb, c = a
+        vs = c * p + r
+        if kind == "F":
+            return [("F", mb, vs - 1)] if vs > 0 else []
+        return [("F", mb, vs)] + ([("B", mb, vs + 1)] if vs < n_virtual - 1 else [])
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(acts[r]):
+                a = acts[r][pos[r]]
+                deps = needs(r, a)
+                if any(d not in done for d in deps):
+                    break
+                start = max([clock[r]] + [done[d] for d in deps])
+                end = start + cost[a[0]]
+                done[(a[0], a[1], a[2] * p + r)] = end
+                tl.events[r].append((start, end, *a))
+                clock[r], tl.busy[r] = end, tl.busy[r] + cost[a[0]]
+                live[r] += 1 if a[0] == "F" else -1
+                tl.peak_in_flight[r] = max(tl.peak_in_flight[r], live[r])
+                pos[r] += 1
+                progress = True
+    for r in range(p):
+        if pos[r] < len(acts[r]):
+            a = acts[r][pos[r]]
+            missing = [d for d in needs(r, a) if d not in done]
+            kind, mb, vs = missing[0]
+            tl.stuck = (r, pos[r], a, (kind, mb, vs % p))
+            tl.problems.append(
+                f"rank {r} is stuck at its action #{pos[r]} {a[0]}(mb {a[1]}): it needs {kind}(mb {mb}) on "
+                f"rank {vs % p} first, which never comes (a dependency violation: the ranks wait on each other)")
+            break
+    tl.makespan = max(clock) if any(clock) else 0.0
+    return tl
+
+
+def bubble_formula(p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a flushed pipeline step: (p-1)/(v m + p - 1)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def plot_schedule(tl: Timeline, ax=None, title: str = ""):
+    """One row per rank, forwards blue and backwards orange, micro-batch number on each box."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.45 * tl.p + 0.9))
+    colors = {"F": "#4C72B0", "B": "#DD8452"}
+    for r, evs in enumerate(tl.events):
+        for start, end, kind, mb, chunk in evs:
+            ax.barh(r, end - start, left=start, color=colors[kind], edgecolor="white",
+                    alpha=1.0 if chunk % 2 == 0 else 0.6)
+            if end - start >= 0.45:
+                ax.text((start + end) / 2, r, str(mb), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(tl.p), [f"stage {r}" for r in range(tl.p)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, tl.makespan)
+    ax.set_xlabel("time (units of one forward)")
+    ax.set_title(title or f"p={tl.p}, m={tl.m}: bubble {tl.bubble_fraction:.1%} "
+                          f"(formula {bubble_formula(tl.p, tl.m, tl.v):.1%})")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
+              labels=["forward", "backward"], loc="lower right", fontsize=7)
+    return ax
+
+
+# -- splitting the course model into stages (the lab's checker and the lecture use the same split) --
+class Stage(nn.Module):
+    """Layers [lo, hi) of a ForCausalLM; stage 0 also embeds ids, the last stage norms and projects.
+
+    `full_name(n)` maps a parameter name of this stage to its name in the dense model."""
+
+    def __init__(self, model, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.lo = lo
+        self.embed_tokens = model.model.embed_tokens if first else None
+        self.layers = nn.ModuleList(model.model.layers[lo:hi])
+        self.norm = model.model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x):
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)                       # (B, T) ids -> (B, T, C)
+        for layer in self.layers:
+            x = layer(x)                                   # (B, T, C)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))                 # (B, T, V)
+        return x
+
+    def full_name(self, n: str) -> str:
+        head, _, rest = n.partition(".")
+        if head == "layers":
+            i, _, rest = rest.partition(".")
+            return f"model.layers.{self.lo + int(i)}.{rest}"
+        return n if head == "lm_head" else f"model.{n}"
+
+
+def stage_bounds(n_layers: int, p: int, s: int) -> tuple[int, int]:
+    """Contiguous, equal split of the layers (n_layers % p == 0)."""
+    if n_layers % p:
+        raise ValueError(f"{n_layers} layers do not split into {p} equal stages")
+    k = n_layers // p
+    return s * k, (s + 1) * k
+
+
+def split_stage(model, p: int, s: int) -> Stage:
+    lo, hi = stage_bounds(model.config.num_hidden_layers, p, s)
+    return Stage(model, lo, hi, first=s == 0, last=s == p - 1)
+
+
+def stage_param_names(model, p: int, s: int) -> list[str]:
+    st = split_stage(model, p, s)
+    return [st.full_name(n) for n, _ in st.named_parameters()]
