@@ -1,0 +1,318 @@
+"""Week 7: a DTensor TP + SP plan for the course model (`grader.models`), graded on t = 2 and 4.
+
+The student writes plans (module path -> ParallelStyle); the harness applies them with
+`parallelize_module` to a pure dense model built from a seed, runs forward + backward (loss parallel
+for the full model) and compares with the dense model run here, in the trusted process.
+
+Collectives per direction with TP + SP (Korthikanti et al. 2022, Sec. 4.2.2): each of the two
+sub-blocks of a layer enters its TP region with an all-gather of the sequence shards and leaves it
+with a reduce-scatter; backward swaps them. The embedding leaves with a reduce-scatter, the head
+enters with an all-gather, and vocab-parallel cross-entropy adds three all-reduces of (B*T) scalars
+(max, sum-exp, target logit) in forward and none in backward.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from grader.case import Case, Contract, register
+from grader.models import DecoderLayer, ForCausalLM, init_weights
+
+MODULE = "tp_plan"
+COL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "embed_tokens")   # Shard(0) of the weight
+ROW = ("o_proj", "down_proj")                                                               # Shard(1) of the weight
+
+KWARGS_HINT = ("DecoderLayer calls `self.self_attn(hidden_states=..., position_ids=...)` with keyword arguments, "
+               "so a PrepareModuleInput for `self_attn` must describe them with input_kwarg_layouts= and "
+               "desired_input_kwarg_layouts= ({'hidden_states': ...}); input_layouts only covers positional ones.")
+MIXED_HINT = ("A DTensor met a plain tensor: some layer of the plan is missing or misspelled (parallelize_module only "
+              "warns about a key that matches nothing), or a style returns a DTensor where a local tensor is expected.")
+
+
+def _cfg(cfg):
+    from grader.dtensor_tools import week07_config
+    return week07_config(**cfg["model"])
+
+
+def _shard_dim(name: str):
+    leaf = name.split(".")[-2] if name.endswith(".weight") else ""
+    if leaf in COL:
+        return 0
+    if leaf in ROW:
+        return 1
+    return None          # norms: replicated, every rank's grad is the whole dense grad
+
+
+def _expected_shape(name, shape, t):
+    d = _shard_dim(name)
+    shape = list(shape)
+    if d is not None:
+        shape[d] //= t
+    return tuple(shape)
+
+
+# -- inputs and references (trusted process) --------------------------------------
+def _inputs(cfg, gen):
+    mc = _cfg(cfg)
+    B, T = cfg["B"], cfg["T"]
+    d = {"init_seed": torch.randint(0, 2**31 - 1, (1,), generator=gen)}
+    if cfg["kind"] == "block":
+        d["x"] = torch.randn(B, T, mc.hidden_size, generator=gen)
+        d["dy"] = torch.randn(B, T, mc.hidden_size, generator=gen)
+    else:
+        d["input_ids"] = torch.randint(0, mc.vocab_size, (cfg["dp"] * B if "dp" in cfg else B, T), generator=gen)
+        d["labels"] = torch.randint(0, mc.vocab_size, d["input_ids"].shape, generator=gen)
+    return d
+
+
+def _reference(cfg, inp):
+    mc = _cfg(cfg)
+    seed = int(inp["init_seed"][0])
+    if cfg["kind"] == "block":
+        layer = init_weights(DecoderLayer(mc), seed)
+        x = inp["x"].clone().requires_grad_(True)
+        y = layer(x)
+        y.backward(inp["dy"])
+        out = {"y": y.detach(), "dx": x.grad}
+        out.update({f"grad:{n}": p.grad for n, p in layer.named_parameters()})
+        return out
+    model = init_weights(ForCausalLM(mc), seed)
+    if cfg["kind"] == "fsdp_tp":
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+        losses = []
+        for _ in range(cfg["steps"]):
+            logits = model(inp["input_ids"])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), inp["labels"].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        out = {"losses": torch.stack(losses)}
+        out.update({f"param:{n}": p.detach().clone() for n, p in model.named_parameters()})
+        return out
+    logits = model(inp["input_ids"])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), inp["labels"].flatten())
+    loss.backward()
+    out = {"loss": loss.detach(), "logits": logits.detach()}
+    out.update({f"grad:{n}": p.grad for n, p in model.named_parameters()})
+    return out
+
+
+def _expected(cfg, ref, r, t):
+    out = {}
+    for k, v in ref.items():
+        if k.startswith("grad:"):
+            d = _shard_dim(k[5:])
+            out[k] = v if d is None else v.chunk(t, dim=d)[r].contiguous()
+        elif k in ("y", "dx"):
+            out[k] = v.chunk(t, dim=1)[r].contiguous()         # sequence-parallel: this rank's tokens
+        elif k == "logits":
+            if cfg["kind"] == "model":
+                out[k] = v.chunk(t, dim=-1)[r].contiguous()    # loss parallel: this rank's vocab slice
+        else:
+            out[k] = v
+    return out
+
+
+# -- each rank ------------------------------------------------------------------------
+def _apply_plans(mod, model, mesh, whole_model: bool):
+    from torch.distributed.tensor.parallel import parallelize_module
+    layers = model.model.layers if whole_model else [model]
+    for layer in layers:
+        parallelize_module(layer, mesh, mod.block_plan())
+    if whole_model:
+        parallelize_module(model, mesh, mod.model_plan())
+
+
+def _record(ctx, model):
+    from grader.dtensor_tools import local_shape
+    for n, p in model.named_parameters():
+        ctx.params[n] = local_shape(p)
+
+
+def _explain(exc: BaseException, unsharded: list[str]):
+    msg = str(exc)
+    if "input_layouts should have same length" in msg:
+        raise RuntimeError(f"PrepareModuleInput got no positional input: {KWARGS_HINT}") from None
+    if "mixed torch.Tensor and DTensor" in msg:
+        raise RuntimeError(f"{msg.splitlines()[0]}\n{MIXED_HINT}") from None
+    raise exc
+
+
+def _run(mod, cfg, inp, ctx):
+    import warnings
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from grader.dtensor_tools import local_grad, see_dtensor_collectives, tp_mesh_for, unsharded_linears
+
+    mc = _cfg(cfg)
+    seed = int(inp["init_seed"][0])
+    mesh = tp_mesh_for(ctx.group, ctx.device.type)
+    block = cfg["kind"] == "block"
+    model = init_weights(DecoderLayer(mc) if block else ForCausalLM(mc), seed).to(ctx.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")            # a misspelled key only warns: the shape check names it
+        _apply_plans(mod, model, mesh, whole_model=not block)
+    _record(ctx, model)
+    unsharded = unsharded_linears(model)
+    out = {}
+    try:
+        with see_dtensor_collectives(ctx.ledger):
+            if block:
+                x = ctx.shard(inp["x"], 1).requires_grad_(True)             # (B, T/t, C): SP input
+                ctx.phase("forward")
+                y = model(x)
+                y = y.to_local() if isinstance(y, DTensor) else y           # (B, T/t, C)
+                ctx.phase("backward")
+                y.backward(ctx.shard(inp["dy"], 1))
+                out = {"y": y, "dx": x.grad}
+            else:
+                ids, labels = inp["input_ids"], inp["labels"]
+                T = ids.shape[1]
+                if cfg["kind"] == "padding":
+                    ids, labels = mod.pad_for_sp(ids, labels, ctx.world_size)
+                    if ids.shape[1] % ctx.world_size or labels.shape != ids.shape or ids.shape[1] < T:
+                        raise ValueError(f"pad_for_sp returned ids {tuple(ids.shape)} and labels "
+                                         f"{tuple(labels.shape)} for T={T}, t={ctx.world_size}: both must be "
+                                         f"(B, T') with T' >= T and T' % t == 0, or DTensor SP aborts on gloo.")
+                ctx.phase("forward")
+                logits = model(ids)
+                with loss_parallel():
+                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+                    ctx.phase("backward")
+                    loss.backward()
+                out["loss"] = (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
+                if cfg["kind"] == "model":
+                    out["logits"] = (logits.to_local() if isinstance(logits, DTensor) else logits).detach()
+    except Exception as exc:                          # noqa: BLE001
+        if unsharded:                                 # the shape contract names the layer: say that, not the crash
+            return {}
+        _explain(exc, unsharded)
+    ctx.phase("grads")                                # reducing Partial grads of replicated norms: not counted
+    for n, p in model.named_parameters():
+        out[f"grad:{n}"] = local_grad(p)
+    return out
+
+
+def _run_fsdp_tp(mod, cfg, inp, ctx):
+    import warnings
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from grader.dtensor_tools import quiet_redistribute_warnings, see_dtensor_collectives
+
+    mc = _cfg(cfg)
+    dp, tp = cfg["dp"], ctx.world_size // cfg["dp"]
+    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = init_weights(ForCausalLM(mc), int(inp["init_seed"][0])).to(ctx.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _apply_plans(mod, model, mesh["tp"], whole_model=True)
+        mod.apply_fsdp(model, mesh["dp"])
+    _record(ctx, model)
+    d = mesh["dp"].get_local_rank()
+    ids, labels = inp["input_ids"].chunk(dp)[d], inp["labels"].chunk(dp)[d]     # this dp rank's micro-batch
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+    losses = []
+    with see_dtensor_collectives(ctx.ledger):
+        for _ in range(cfg["steps"]):
+            ctx.phase("forward")
+            logits = model(ids)
+            with loss_parallel():
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+                ctx.phase("backward")
+                loss.backward()
+            ctx.phase("step")
+            opt.step()
+            opt.zero_grad()
+            local = (loss.to_local() if isinstance(loss, DTensor) else loss).detach().clone()
+            dist.all_reduce(local, group=mesh["dp"].get_group())                # mean over the dp micro-batches
+            losses.append(local / dp)
+    ctx.phase("gather")
+    out = {"losses": torch.stack(losses)}
+    with quiet_redistribute_warnings():
+        for n, p in model.named_parameters():
+            out[f"param:{n}"] = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+    return out
+
+
+def _contract(cfg, t):
+    mc = _cfg(cfg)
+    ref = DecoderLayer(mc) if cfg["kind"] == "block" else ForCausalLM(mc)
+    params = {n: _expected_shape(n, p.shape, t) for n, p in ref.named_parameters()}
+    L = mc.num_hidden_layers
+    if cfg["kind"] == "block":
+        fwd = bwd = {"all_gather": 2, "reduce_scatter": 2}
+        why = {"forward": "per layer: all-gather the sequence shards into attention and into the MLP (2), "
+                          "reduce-scatter out of o_proj and down_proj (2).",
+               "backward": "the conjugates: each forward all-gather becomes a reduce-scatter and vice versa."}
+    else:
+        fwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 3}
+        bwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1}
+        why = {"forward": f"2 all-gathers + 2 reduce-scatters per layer ({L} layers), one reduce-scatter out of "
+                          f"the embedding, one all-gather into lm_head, and 3 all-reduces of loss parallel.",
+               "backward": "the conjugates of the forward gathers/scatters; loss parallel's backward is local."}
+    return Contract(counts={"forward": fwd, "backward": bwd}, params=params, why=why)
+
+
+def _contract_2d(cfg, t):
+    mc = _cfg(cfg)
+    dp, tp = cfg["dp"], t // cfg["dp"]
+    params = {}
+    for n, p in ForCausalLM(mc).named_parameters():
+        shape = list(_expected_shape(n, p.shape, tp))
+        shape[0] = math.ceil(shape[0] / dp)                   # FSDP2 shards dim 0 of the local TP shard
+        params[n] = tuple(shape)
+    return Contract(params=params)
+
+
+HINTS = {
+    "y": "Check the block plan: o_proj and down_proj must leave with output_layouts=Shard(1) (sequence "
+         "shards), and self_attn / mlp must all-gather their Shard(1) input to Replicate first.",
+    "dx": "The input grad is wrong although it went through your plan: a norm without SequenceParallel or "
+          "a missing PrepareModuleInput changes what autograd reduces.",
+    "loss": "The loss needs loss_parallel: lm_head must keep its vocab-sharded output as a DTensor "
+            "(use_local_output=False) with input_layouts=Shard(1) from the sequence-parallel final norm.",
+    "logits": "Each rank's logits must be its vocab slice (ColwiseParallel on lm_head, output Shard(-1)).",
+    "losses": "The 2-D step must match one dense SGD step on the full batch: shard each decoder layer and "
+              "then the root with fully_shard(..., mesh=dp_mesh) after the TP plan.",
+}
+NORM_HINT = ("A replicated norm weight sees only this rank's tokens under SP: wrap the norm in SequenceParallel() "
+             "so its grad is summed over the sequence shards.")
+
+
+def _hints(cfg):
+    """Per-tensor hints: norms get the SP reduction hint, every sharded weight the slicing rule."""
+    h = dict(HINTS)
+    mc = _cfg(cfg)
+    for n, _ in (DecoderLayer(mc) if cfg["kind"] == "block" else ForCausalLM(mc)).named_parameters():
+        d = _shard_dim(n)
+        h[f"grad:{n}"] = (NORM_HINT if d is None else
+                          f"Each rank's grad must be its Shard({d}) slice of the dense weight grad; a wrong value "
+                          f"with right shapes usually means a missing SequenceParallel/PrepareModuleInput upstream.")
+    return h
+
+
+for name, cfg, seed in [
+        ("block", {"kind": "block", "B": 2, "T": 8, "model": {}}, 0),
+        ("block_hidden", {"kind": "block", "B": 1, "T": 12, "model": {"hidden_size": 48, "intermediate_size": 32}}, None),
+        ("model", {"kind": "model", "B": 2, "T": 8, "model": {}}, 1),
+        ("model_hidden", {"kind": "model", "B": 1, "T": 12, "model": {"num_hidden_layers": 1, "vocab_size": 32}}, None),
+        ("padding", {"kind": "padding", "B": 2, "T": 7, "model": {"num_hidden_layers": 1}}, 2),
+        ("padding_hidden", {"kind": "padding", "B": 1, "T": 9, "model": {"vocab_size": 32, "num_hidden_layers": 1}}, None)]:
+    register(Case(name=f"week07/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
+                  reference=_reference, run_rank=_run, expected=_expected, contract=_contract, seed=seed,
+                  hidden=seed is None, title={"block": "TP+SP block plan", "model": "full-model plan + loss parallel",
+                                              "padding": "SP padding"}[cfg["kind"]], hints=_hints(cfg)))
+
+for name, cfg, seed in [
+        ("fsdp_tp", {"kind": "fsdp_tp", "B": 2, "T": 8, "dp": 2, "steps": 2, "lr": 0.5, "model": {}}, 3),
+        ("fsdp_tp_hidden", {"kind": "fsdp_tp", "B": 1, "T": 6, "dp": 2, "steps": 3, "lr": 0.3,
+                            "model": {"num_hidden_layers": 1}}, None)]:
+    register(Case(name=f"week07/{name}", module=MODULE, world_sizes=(4,), config=cfg, make_inputs=_inputs,
+                  reference=_reference, run_rank=_run_fsdp_tp, expected=_expected, contract=_contract_2d,
+                  seed=seed, hidden=seed is None, title="FSDP2 x TP training steps (dp=2, tp=2)",
+                  hints=_hints(cfg)))
