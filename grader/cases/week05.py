@@ -1,0 +1,205 @@
+"""Week 5: sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2), t = 2 and 4.
+
+Activations are (B, T, C); rank r holds positions r*T/t:(r+1)*T/t (torch.chunk along dim 1).
+- sequence_ops: GatherFromSequence (AG fwd / RS bwd) and ReduceScatterToSequence (RS fwd / AG bwd).
+- sp_block: the dense DecoderLayer as a TP+SP block: 2 AG + 2 RS forward; backward the mirror image
+  (each AG's backward is an RS and vice versa) + one all-reduce per replicated norm-weight grad.
+  Outputs, input grads, weight-grad shards and the replicated norm grads (= the dense grads on EVERY rank).
+- sp_block_uneven: T not divisible by t; the rule is "zero-pad at the end to a multiple of t". Causal
+  attention means real positions never see the pad, and a zero dy on the pad rows leaves every gradient
+  equal to the unpadded one; the reference is the dense layer run on the padded sequence.
+"""
+from __future__ import annotations
+
+import torch
+
+from grader.case import Case, Contract, register
+from grader.models import DecoderLayer, ModelConfig, init_weights
+
+MODULE = "sp_block"
+COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW = ("self_attn.o_proj", "mlp.down_proj")
+NORMS = ("input_layernorm", "post_attention_layernorm")
+SEQ_HINT = ("Rank r's block is positions r*T/t:(r+1)*T/t (torch.chunk along dim 1). all_gather_single and "
+            "reduce_scatter_single split dim 0: move the sequence (dim 1) to the front first, or you move batches.")
+HINTS = {
+    "y": SEQ_HINT,
+    "dx": "The backward of the gather is a reduce-scatter along T (your block's grad is a sum over ranks); "
+          "the backward of the reduce-scatter is an all-gather. " + SEQ_HINT,
+    "x_block": "pad_and_split: zero-pad dim 1 at the END to a multiple of t, then take block r with torch.chunk.",
+}
+for n in NORMS:
+    HINTS[f"d{n}"] = ("A replicated norm weight's grad must equal the dense grad on every rank: each rank's norm "
+                      "saw only T/t positions, so all-reduce (sum) that grad over the group during backward.")
+for n in COLUMN + ROW:
+    HINTS[f"d{n.split('.')[-1]}"] = ("Each rank's weight grad must equal its slice of the dense weight grad: rows "
+                                     "r*out/t:(r+1)*out/t for q/k/v/gate/up, the same block of columns for o/down.")
+
+
+def _shard(t, r, n, dim):
+    return t.chunk(n, dim=dim)[r].contiguous()
+
+
+# -- the two sequence operators ------------------------------------------------------------------
+def _ops_inputs(cfg, gen):
+    B, T, C = cfg["shape"]
+    return {"x": torch.randn(B, T, C, generator=gen), "xs": torch.randn(4, B, T, C, generator=gen),
+            "dys": torch.randn(4, B, T, C, generator=gen), "dy": torch.randn(B, T, C, generator=gen)}
+
+
+def _ops_reference(cfg, d):
+    out = {"x": d["x"], "dy": d["dy"]}
+    for t in (2, 4):
+        out[f"sum_xs{t}"] = d["xs"][:t].sum(0)
+        out[f"sum_dys{t}"] = d["dys"][:t].sum(0)
+    return out
+
+
+def _ops_run(mod, cfg, inp, ctx):
+    r = ctx.rank
+    x = ctx.shard(inp["x"], 1).clone().requires_grad_(True)
+    xr = inp["xs"][r].clone().requires_grad_(True)
+    ctx.phase("forward")
+    y_gather = mod.GatherFromSequence.apply(x, ctx.group)
+    y_rs = mod.ReduceScatterToSequence.apply(xr, ctx.group)
+    ctx.phase("backward")
+    y_gather.backward(inp["dys"][r])
+    y_rs.backward(ctx.shard(inp["dy"], 1))
+    return {"y_gather": y_gather, "dx_gather": x.grad, "y_reduce_scatter": y_rs, "dx_reduce_scatter": xr.grad}
+
+
+def _ops_expected(cfg, ref, r, t):
+    return {"y_gather": ref["x"], "dx_gather": _shard(ref[f"sum_dys{t}"], r, t, 1),
+            "y_reduce_scatter": _shard(ref[f"sum_xs{t}"], r, t, 1), "dx_reduce_scatter": ref["dy"]}
+
+
+def _ops_contract(cfg, t):
+    B, T, C = cfg["shape"]
+    n = B * T * C * 4
+    return Contract(counts={"forward": {"all_gather": 1, "reduce_scatter": 1},
+                            "backward": {"all_gather": 1, "reduce_scatter": 1}},
+                    bytes_sent={"forward": 2 * (t - 1) / t * n, "backward": 2 * (t - 1) / t * n},
+                    why={"forward": "one all-gather (GatherFromSequence) and one reduce-scatter (ReduceScatterToSequence).",
+                         "backward": "the backward of an all-gather is a reduce-scatter, and vice versa."})
+
+
+OPS_HINTS = {"y_gather": SEQ_HINT, "y_reduce_scatter": SEQ_HINT,
+             "dx_gather": "GatherFromSequence.backward must reduce-scatter along T: every rank's dY touches your block.",
+             "dx_reduce_scatter": "ReduceScatterToSequence.backward must all-gather dY along T."}
+
+for name, shape, seed in [("sequence_ops", (2, 8, 6), 0), ("sequence_ops_hidden", (3, 12, 5), None)]:
+    register(Case(name=f"week05/{name}", module=MODULE, world_sizes=(2, 4), config={"shape": list(shape)},
+                  make_inputs=_ops_inputs, reference=_ops_reference, run_rank=_ops_run, expected=_ops_expected,
+                  contract=_ops_contract, seed=seed, hidden=seed is None, title="sequence operators", hints=OPS_HINTS))
+
+
+# -- the SP block --------------------------------------------------------------------------------
+def _model_cfg(cfg):
+    return ModelConfig(hidden_size=cfg["C"], intermediate_size=cfg["F"], num_attention_heads=cfg["nh"],
+                       num_key_value_heads=cfg["nkv"])
+
+
+def _block_inputs(cfg, gen):
+    B, T, C = cfg["B"], cfg["T"], cfg["C"]
+    return {"x": torch.randn(B, T, C, generator=gen), "dy": torch.randn(B, T, C, generator=gen),
+            "wseed": torch.randint(0, 2**31 - 1, (1,), generator=gen)}
+
+
+def _dense_layer(cfg, inp):
+    return init_weights(DecoderLayer(_model_cfg(cfg)), int(inp["wseed"][0]))
+
+
+def _dense_run(layer, x, dy, tag=""):
+    x = x.clone().requires_grad_(True)
+    y = layer(x)
+    y.backward(dy)
+    out = {f"y{tag}": y.detach(), f"dx{tag}": x.grad, f"xp{tag}": x.detach()}
+    for name, p in layer.named_parameters():
+        out[f"d{name.split('.')[-2]}{tag}"] = p.grad.clone()
+    layer.zero_grad()
+    return out
+
+
+def _pad(x, t):
+    return torch.nn.functional.pad(x, (0, 0, 0, -x.shape[1] % t))
+
+
+def _block_reference(cfg, d):
+    layer = _dense_layer(cfg, d)
+    if not cfg.get("uneven"):
+        return _dense_run(layer, d["x"], d["dy"])
+    out = {}
+    for t in (2, 4):       # the pad (and so the reference) depends on t
+        out.update(_dense_run(layer, _pad(d["x"], t), _pad(d["dy"], t), tag=str(t)))
+    return out
+
+
+def _block_run(mod, cfg, inp, ctx):
+    dense = _dense_layer(cfg, inp)
+    layer = mod.SPDecoderLayer.from_dense(dense, group=ctx.group)
+    ctx.record_params(layer)
+    out = {}
+    if cfg.get("uneven"):
+        x_block = mod.pad_and_split(inp["x"], ctx.group)
+        out["x_block"] = x_block
+        dy = ctx.shard(_pad(inp["dy"], ctx.world_size), 1)
+    else:
+        x_block, dy = ctx.shard(inp["x"], 1), ctx.shard(inp["dy"], 1)
+    x = x_block.detach().clone().requires_grad_(True)
+    ctx.phase("forward")
+    y = layer(x)
+    ctx.phase("backward")
+    y.backward(dy)
+    params = dict(layer.named_parameters())
+    out.update({"y": y, "dx": x.grad})
+    for name in COLUMN + ROW + NORMS:
+        p = params.get(f"{name}.weight")
+        out[f"d{name.split('.')[-1]}"] = None if p is None else p.grad
+    return out
+
+
+def _block_expected(cfg, ref, r, t):
+    tag = str(t) if cfg.get("uneven") else ""
+    out = {"y": _shard(ref[f"y{tag}"], r, t, 1), "dx": _shard(ref[f"dx{tag}"], r, t, 1)}
+    if cfg.get("uneven"):
+        out["x_block"] = _shard(ref[f"xp{tag}"], r, t, 1)
+    for name in COLUMN:
+        out[f"d{name.split('.')[-1]}"] = _shard(ref[f"d{name.split('.')[-1]}{tag}"], r, t, 0)
+    for name in ROW:
+        out[f"d{name.split('.')[-1]}"] = _shard(ref[f"d{name.split('.')[-1]}{tag}"], r, t, 1)
+    for name in NORMS:
+        out[f"d{name}"] = ref[f"d{name}{tag}"]       # replicated: the dense grad on every rank
+    return out
+
+
+def _block_contract(cfg, t):
+    B, C, F, hs = cfg["B"], cfg["C"], cfg["F"], cfg["C"] // cfg["nh"]
+    T = cfg["T"] + (-cfg["T"] % t)
+    n = B * T * C * 4                                      # one (B, T, C) float32 activation, bytes
+    ring = (t - 1) / t
+    params = {"input_layernorm.weight": (C,), "post_attention_layernorm.weight": (C,),
+              "self_attn.q_proj.weight": (cfg["nh"] * hs // t, C), "self_attn.k_proj.weight": (cfg["nkv"] * hs // t, C),
+              "self_attn.v_proj.weight": (cfg["nkv"] * hs // t, C), "self_attn.o_proj.weight": (C, cfg["nh"] * hs // t),
+              "mlp.gate_proj.weight": (F // t, C), "mlp.up_proj.weight": (F // t, C), "mlp.down_proj.weight": (C, F // t)}
+    return Contract(
+        counts={"forward": {"all_gather": 2, "reduce_scatter": 2},
+                "backward": {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}},
+        bytes_sent={"forward": 4 * ring * n, "backward": 4 * ring * n + 2 * 2 * ring * C * 4},
+        params=params,
+        why={"forward": "per block: an all-gather of the normed input before each column-parallel group (q/k/v, "
+                        "gate/up) and a reduce-scatter after each row-parallel GEMM (o_proj, down_proj). An "
+                        "all-reduce of activations is plain TP: it leaves full (B, T, C) tensors on every rank.",
+             "backward": "the backward of each all-gather is a reduce-scatter and of each reduce-scatter an "
+                         "all-gather (2 + 2), plus one all-reduce of each replicated norm-weight grad (2 of C "
+                         "floats): each rank's norm saw only T/t positions."})
+
+
+BASE = {"B": 2, "T": 8, "C": 32, "F": 64, "nh": 8, "nkv": 4}
+for name, cfg, seed in [
+        ("sp_block", BASE, 5),
+        ("sp_block_hidden", dict(BASE, B=3, T=12, C=24, F=48, nh=4, nkv=4), None),
+        ("sp_block_uneven", dict(BASE, T=7, uneven=True), 6),
+        ("sp_block_uneven_hidden", dict(BASE, B=1, T=5, C=16, F=32, nh=4, nkv=4, uneven=True), None)]:
+    register(Case(name=f"week05/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_block_inputs,
+                  reference=_block_reference, run_rank=_block_run, expected=_block_expected,
+                  contract=_block_contract, seed=seed, hidden=seed is None, title="SPDecoderLayer", hints=HINTS))

@@ -1,0 +1,213 @@
+"""Tensor- and sequence-parallel blocks built from `grader.models.DecoderLayer` (lectures, training profile).
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.2.2):
+under plain TP (Megatron, Shoeybi et al. 2019) the norm and residual regions hold the full (B, T, C)
+activation on every rank. Sequence parallelism splits those regions along T (dim 1) and swaps each
+all-reduce for a reduce-scatter (into the sequence region) + an all-gather (out of it):
+
+    x_s (B,T/t,C) -norm-> AG -> column-parallel GEMMs -> ... -> row-parallel GEMM -> RS -> + x_s
+
+Operators (forward / backward):
+    GatherFromSequence      all-gather along T   / reduce-scatter along T
+    ReduceScatterToSequence reduce-scatter along T / all-gather along T
+    CopyToTP (f)            identity             / all-reduce        (plain TP)
+    ReduceFromTP (g)        all-reduce           / identity          (plain TP)
+    SyncReplicatedGrad      identity             / all-reduce        (SP norm weights: each rank saw T/t tokens)
+
+`all_gather_single` / `reduce_scatter_single` (formerly `*_into_tensor`, `*_tensor`) work on dim 0, so the sequence dim is moved to the front.
+This module is the lecture's and the profile's; the week-5 lab asks students to write their own.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from grader.models import DecoderLayer, apply_rotary, causal_attention, rotary_cos_sin
+
+
+def all_gather_seq(x, group=None):
+    """(B, T/t, C) -> (B, T, C): every rank's sequence block, in rank order."""
+    t = dist.get_world_size(group)
+    xs = x.transpose(0, 1).contiguous()                                  # (T/t, B, C): dim 0 is split
+    out = xs.new_empty((t * xs.shape[0],) + tuple(xs.shape[1:]))         # (T, B, C)
+    dist.all_gather_single(out, xs, group=group)
+    return out.transpose(0, 1).contiguous()                              # (B, T, C)
+
+
+def reduce_scatter_seq(x, group=None):
+    """(B, T, C) partial sums -> (B, T/t, C): this rank's block of the summed tensor."""
+    t = dist.get_world_size(group)
+    xs = x.transpose(0, 1).contiguous()                                  # (T, B, C)
+    out = xs.new_empty((xs.shape[0] // t,) + tuple(xs.shape[1:]))        # (T/t, B, C)
+    dist.reduce_scatter_single(out, xs, group=group)
+    return out.transpose(0, 1).contiguous()                              # (B, T/t, C)
+
+
+class GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        # every rank's GEMMs used all T positions, so dX_s is the SUM over ranks of their dX block
+        return reduce_scatter_seq(g, ctx.group), None
+
+
+class ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        # the partial sums all fed the same output: each rank needs the whole dY
+        return all_gather_seq(g, ctx.group), None
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward; all-reduce backward (dX is a partial sum over the heads/columns a rank holds)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+SyncReplicatedGrad = CopyToTP   # applied to a replicated weight: its grad is summed over the group
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def rms_norm(x, weight, eps):
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
+
+
+def _rows(w, t, r):
+    return w.detach().chunk(t, dim=0)[r].clone()
+
+
+def _cols(w, t, r):
+    return w.detach().chunk(t, dim=1)[r].clone()
+
+
+class ParallelDecoderLayer(nn.Module):
+    """`DecoderLayer` split over a group: heads and FFN columns per rank; mode "tp" or "sp".
+
+    tp: input/output (B, T, C) replicated; one all-reduce after attention and after the MLP.
+    sp: input/output (B, T/t, C); AG before the column GEMMs, RS after the row GEMMs,
+        norm-weight grads all-reduced. overlap=True swaps AG+GEMM and GEMM+RS for the ring
+        versions of `grader.overlap_ops` (week 6).
+    """
+
+    def __init__(self, dense: DecoderLayer, group=None, mode: str = "sp", overlap: bool = False):
+        super().__init__()
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        att = dense.self_attn
+        if att.num_kv_heads % t or dense.mlp.gate_proj.out_features % t:
+            raise ValueError(f"kv heads ({att.num_kv_heads}) and FFN width must be divisible by t={t}")
+        self.group, self.mode, self.overlap, self.t = group, mode, overlap, t
+        self.head_dim, self.rope_theta, self.eps = att.head_dim, att.rope_theta, dense.input_layernorm.eps
+        self.n_q = att.q_proj.out_features // t                           # local q features
+        self.n_kv = att.k_proj.out_features // t
+        self.input_layernorm_weight = nn.Parameter(dense.input_layernorm.weight.detach().clone())
+        self.post_attention_layernorm_weight = nn.Parameter(dense.post_attention_layernorm.weight.detach().clone())
+        # q, k, v fused per rank: one gather (or one ring) feeds all three GEMMs
+        self.qkv_weight = nn.Parameter(torch.cat([_rows(att.q_proj.weight, t, r), _rows(att.k_proj.weight, t, r),
+                                                  _rows(att.v_proj.weight, t, r)]))   # ((nh+2nkv)hs/t, C)
+        self.o_weight = nn.Parameter(_cols(att.o_proj.weight, t, r))                 # (C, nh hs/t)
+        self.ffn = dense.mlp.gate_proj.out_features // t
+        self.gate_up_weight = nn.Parameter(torch.cat([_rows(dense.mlp.gate_proj.weight, t, r),
+                                                      _rows(dense.mlp.up_proj.weight, t, r)]))  # (2F/t, C)
+        self.down_weight = nn.Parameter(_cols(dense.mlp.down_proj.weight, t, r))     # (C, F/t)
+
+    # column GEMM on the (gathered) input, row GEMM whose partial sums are reduced
+    def _column(self, x, w):
+        if self.mode == "tp":
+            return F.linear(CopyToTP.apply(x, self.group), w)
+        if self.overlap:
+            from grader.overlap_ops import all_gather_linear
+            return all_gather_linear(x, w, self.group)
+        return F.linear(GatherFromSequence.apply(x, self.group), w)
+
+    def _row(self, y, w):
+        if self.mode == "tp":
+            return ReduceFromTP.apply(F.linear(y, w), self.group)
+        if self.overlap:
+            from grader.overlap_ops import linear_reduce_scatter
+            return linear_reduce_scatter(y, w, self.group)
+        return ReduceScatterToSequence.apply(F.linear(y, w), self.group)
+
+    def _norm_weight(self, w):
+        # SP: each rank's norm saw only T/t positions, so its weight grad is a partial sum
+        return SyncReplicatedGrad.apply(w, self.group) if self.mode == "sp" else w
+
+    def forward(self, x):
+        B, Tl, C = x.shape
+        T = Tl * self.t if self.mode == "sp" else Tl
+        hs = self.head_dim
+        n = rms_norm(x, self._norm_weight(self.input_layernorm_weight), self.eps)
+        qkv = self._column(n, self.qkv_weight)                                       # (B, T, (nh+2nkv)hs/t)
+        q, k, v = qkv.split([self.n_q, self.n_kv, self.n_kv], dim=-1)
+        q = q.reshape(B, T, -1, hs).transpose(1, 2)                                  # (B, nh/t, T, hs)
+        k = k.reshape(B, T, -1, hs).transpose(1, 2)                                  # (B, nkv/t, T, hs)
+        v = v.reshape(B, T, -1, hs).transpose(1, 2)
+        cos, sin = rotary_cos_sin(torch.arange(T, device=x.device), hs, self.rope_theta, q.dtype)
+        y = causal_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        y = y.transpose(1, 2).reshape(B, T, -1)                                      # (B, T, nh hs/t)
+        h = x + self._row(y, self.o_weight)                                          # (B, T/t or T, C)
+        n = rms_norm(h, self._norm_weight(self.post_attention_layernorm_weight), self.eps)
+        gate, up = self._column(n, self.gate_up_weight).split(self.ffn, dim=-1)      # (B, T, F/t) each
+        return h + self._row(F.silu(gate) * up, self.down_weight)
+
+
+# -- activation memory (what autograd keeps for backward) ------------------------------------------
+def saved_activation_bytes(fn, *params) -> int:
+    """Bytes of the distinct tensors autograd saves while `fn()` runs, parameters excluded.
+
+    Distinct = by storage (a view of a saved tensor is not counted twice). Parameters are
+    weights, not activations; the paper's count leaves them out too.
+    """
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def korthikanti_bytes(s, b, h, a, t=1, mode="none") -> float:
+    """Table 2 of Korthikanti et al. 2022, bytes per layer (16-bit activations, 1-byte dropout masks)."""
+    att = 5 * a * s / h
+    per = {"none": 34 + att, "tp": 10 + 24 / t + att / t, "sp": 34 / t + att / t}[mode]
+    return s * b * h * per
