@@ -28,6 +28,11 @@ class Contract:
     why: dict[str, str] = field(default_factory=dict)  # phase -> the reason the count is what it is
 
 
+class GradingError(Exception):
+    """Raised by the harness on a rank when the student's result cannot even be used (e.g. an
+    output of the wrong shape cannot be backpropagated); its message is the whole verdict."""
+
+
 @dataclass
 class RankContext:
     rank: int                 # rank inside the case's group
@@ -43,6 +48,26 @@ class RankContext:
     def record_params(self, module: torch.nn.Module, prefix: str = ""):
         for n, p in module.named_parameters():
             self.params[prefix + n] = list(p.shape)
+
+    @staticmethod
+    def backward(y, dy, name: str = "y"):
+        """y.backward(dy), after checking that the student's output can take dy at all."""
+        if not isinstance(y, torch.Tensor):
+            raise GradingError(f"`{name}` is a {type(y).__name__}, not a tensor: forward must return a tensor.")
+        if tuple(y.shape) != tuple(dy.shape):
+            raise GradingError(f"`{name}` has shape {tuple(y.shape)}; expected {tuple(dy.shape)} "
+                               "(so backward could not run).")
+        if not y.requires_grad:
+            raise GradingError(f"`{name}` does not require grad: the autograd graph was cut "
+                               "(.detach(), torch.no_grad() or .data in forward?).")
+        y.backward(dy)
+
+    @staticmethod
+    def grad(module, name: str = "weight"):
+        """module.<name>.grad, or None when the student's module has no such parameter (the
+        contract's parameter check then says so, instead of the harness crashing)."""
+        p = getattr(module, name, None)
+        return getattr(p, "grad", None) if isinstance(p, torch.Tensor) else None
 
     def shard(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.chunk(self.world_size, dim=dim)[self.rank].contiguous()

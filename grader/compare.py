@@ -106,12 +106,29 @@ def check_contract(contract: Contract, res: dict, rank: int) -> list[str]:
                 problems.append(f"rank {rank}: no parameter named `{name}` (found: {', '.join(got) or 'none'}); "
                                 f"keep the shard in `self.{name}` as an nn.Parameter.")
             elif tuple(got[name]) != tuple(shape):
-                problems.append(f"rank {rank} holds `{name}` of shape {_fmt_shape(got[name])}; its shard is "
+                problems.append(f"rank {rank}: keeps `{name}` of shape {_fmt_shape(got[name])}; its shard is "
                                 f"{_fmt_shape(shape)}: each rank must keep only 1/t of the dense weight.")
     return problems
 
 
-def describe_error(tb: str, rank) -> str:
+_COMM_ERRORS = ("Connection closed by peer", "Application timeout", "Timed out", "timed out", "pair closure",
+                "NCCL", "ProcessGroupGloo", "Connection reset", "Broken pipe")
+
+
+def is_comm_error(tb: str) -> bool:
+    """Did a collective fail under this rank (a peer died or never came), rather than its own code?"""
+    last = tb.rstrip().splitlines()[-1] if tb.strip() else ""
+    return last.startswith(("RuntimeError", "DistBackendError", "DistNetworkError", "torch.distributed")) and \
+        any(k in last for k in _COMM_ERRORS)
+
+
+def last_collective(res: dict) -> str:
+    led = res.get("ledger", [])
+    n = len(led)
+    return f"collective #{n + 1} (after {n} that completed)" if n else "its first collective"
+
+
+def describe_error(tb: str, rank, res: dict | None = None) -> str:
     """A student's exception, short: a stub says what to write, anything else keeps its traceback."""
     lines = tb.rstrip().splitlines()
     last = lines[-1] if lines else "an exception"
@@ -122,6 +139,13 @@ def describe_error(tb: str, rank) -> str:
             if m:
                 where = f"`{m.group(3)}` ({os.path.basename(m.group(1))} line {m.group(2)})"
         return f"rank {rank}: not implemented yet: {where} raises {last}"
+    if last.startswith(("GradingError:", "grader.case.GradingError:")):
+        return f"rank {rank}: " + last.split(":", 1)[1].strip()
+    if is_comm_error(tb):
+        where = last_collective(res or {})
+        kind = "timed out" if "timeout" in last.lower() or "timed out" in last.lower() else "lost its peers"
+        return (f"rank {rank} {kind} in {where}: {last[:200]}. A peer never joined this collective: "
+                "a rank skipped or added a collective, or crashed.")
     return f"rank {rank} raised an exception:\n{tb.rstrip()}"
 
 
@@ -147,6 +171,8 @@ def compare_item(case: Case, item: dict, ref: dict, results: dict[int, dict | No
     t = item["t"]
     v = ItemVerdict(item_id=item["id"], case=case.name, t=t, passed=True)
     contract = case.contract(item["config"], t) if case.contract else None
+    errors = {j: str(res["error"]) for j, res in results.items() if res is not None and res.get("error")}
+    own = {j for j, e in errors.items() if not is_comm_error(e)}   # the student's own exceptions
     for job_rank in sorted(results):
         res = results[job_rank]
         if res is None:
@@ -154,9 +180,16 @@ def compare_item(case: Case, item: dict, ref: dict, results: dict[int, dict | No
             continue
         r = res["group"].index(job_rank)
         label = r
-        if res.get("error"):
-            v.problems.append(describe_error(str(res["error"]), label))
+        if job_rank in errors:
+            if job_rank in own or not own:
+                v.problems.append(describe_error(errors[job_rank], label, res))
+            else:   # a peer of the failing rank: it only saw the fallout
+                culprits = ", ".join(str(results[j]["group"].index(j)) for j in sorted(own))
+                v.problems.append(f"rank {label} was left waiting in {last_collective(res)} because rank "
+                                  f"{culprits} failed.")
             continue
+        if contract is not None:   # sharding and communication first: they explain the numbers
+            v.problems += check_contract(contract, res, label)
         want = case.expected(item["config"], ref, r, t)
         got = res.get("tensors", {})
         for name, w in want.items():
@@ -165,8 +198,6 @@ def compare_item(case: Case, item: dict, ref: dict, results: dict[int, dict | No
                 v.problems.append(msg)
             elif m > v.max_err:
                 v.max_err = m
-        if contract is not None:
-            v.problems += check_contract(contract, res, label)
         v.tensors = list(want)
         v.comm = comm_summary(res)
         v.seconds = max(v.seconds, float(res.get("seconds", 0.0)))

@@ -140,9 +140,21 @@ def _missing_reason(job_rank: int, item: dict, run, progress: dict, finished_by:
 
 
 def _desync(results: dict) -> str | None:
-    """Name the first collective on which the ranks of an item disagree."""
-    seqs = {r: [(e.get("phase"), e.get("op")) for e in res.get("ledger", [])]
-            for r, res in results.items() if res is not None}
+    """Name the first collective on which the ranks of one group of an item disagree."""
+    groups: dict[tuple, dict] = {}
+    for r, res in results.items():
+        if res is not None:
+            groups.setdefault(tuple(res["group"]), {})[r] = res
+    for members in groups.values():
+        msg = _desync_group(members)
+        if msg:
+            return msg
+    return None
+
+
+def _desync_group(results: dict) -> str | None:
+    seqs = {res["group"].index(r): [(e.get("phase"), e.get("op")) for e in res.get("ledger", [])]
+            for r, res in results.items()}
     if len({tuple(s) for s in seqs.values()}) <= 1:
         return None
     n = max(len(s) for s in seqs.values())

@@ -1,7 +1,7 @@
 """Rank entry of a grading job: `python -m grader.rank JOBDIR` on every rank.
 
 Each item of the job (a case at one tensor-parallel size t) gets its own process
-group, made up front by every rank in the same order. A student bug that leaves one
+group, made up front by every rank in the same order, and the student gets that group. A student bug that leaves one
 rank waiting in item k then times out inside item k's group and cannot be matched
 by a collective of item k+1.
 """
@@ -51,6 +51,9 @@ def main(jobdir: str) -> int:
     inputs_all = torch.load(os.path.join(jobdir, "inputs.pt"), weights_only=True)
     timeout = datetime.timedelta(seconds=spec["pg_timeout"])
 
+    # between items every rank meets here, so a rank that failed fast waits for peers still timing out
+    # in the failed item: skew never carries into the next item. Only the wall clock bounds it.
+    control = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=spec.get("control_timeout", 3600)))
     # groups for every item, created by all ranks in the same order before any student code runs
     plans = []
     for item in spec["items"]:
@@ -58,7 +61,8 @@ def main(jobdir: str) -> int:
         mine = None
         for start in range(0, world - world % t, t):
             ranks = list(range(start, start + t))
-            g = dist.group.WORLD if t == world else dist.new_group(ranks, timeout=timeout)
+            # a group of its own even at t == world: a failure in one item cannot desync the next
+            g = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine = (g, ranks)
         plans.append(mine)
@@ -68,14 +72,19 @@ def main(jobdir: str) -> int:
     results: dict = {}
     sys.path.insert(0, student_dir)
     modules: dict = {}
-    for item, plan in zip(spec["items"], plans):
+    for n, (item, plan) in enumerate(zip(spec["items"], plans)):
+        if n:
+            try:
+                dist.barrier(group=control)
+            except Exception:  # a peer process died: go on, its items will say so
+                pass
         if plan is None:      # this rank sits the item out (e.g. t=3 on a 4-rank job)
             continue
         group, ranks = plan
         case = get_case(item["case"])
         ledger = CommLedger(group_size=item["t"], progress_file=progress, label=item["id"])
         ctx = RankContext(rank=ranks.index(rank), world_size=item["t"],
-                          group=None if item["t"] == world else group, device=device, ledger=ledger)
+                          group=group, device=device, ledger=ledger)
         res = {"group": ranks, "tensors": {}, "params": {}, "ledger": [], "error": "", "seconds": 0.0}
         with open(progress, "w") as f:
             json.dump({"item": item["id"], "phase": "import", "where": "importing your module"}, f)

@@ -51,10 +51,10 @@ def _run_column(mod, cfg, inp, ctx):
     y = layer(x)
     ctx.phase("backward")
     dy = inp["dy"] if cfg["gather"] else ctx.shard(inp["dy"], -1)
-    y.backward(dy)
-    out = {"y": y, "dx": x.grad, "dW": layer.weight.grad}
+    ctx.backward(y, dy)
+    out = {"y": y, "dx": x.grad, "dW": ctx.grad(layer, "weight")}
     if "b" in inp:
-        out["db"] = layer.bias.grad if getattr(layer, "bias", None) is not None else None
+        out["db"] = ctx.grad(layer, "bias")
     return out
 
 
@@ -87,10 +87,10 @@ def _run_row(mod, cfg, inp, ctx):
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
-    y.backward(inp["dy"])
-    out = {"y": y, "dx": x.grad, "dW": layer.weight.grad}
+    ctx.backward(y, inp["dy"])
+    out = {"y": y, "dx": x.grad, "dW": ctx.grad(layer, "weight")}
     if "b" in inp:
-        out["db"] = layer.bias.grad if getattr(layer, "bias", None) is not None else None
+        out["db"] = ctx.grad(layer, "bias")
     return out
 
 
@@ -133,9 +133,9 @@ def _run_mlp(mod, cfg, inp, ctx):
     ctx.phase("forward")
     y = fc2(torch.nn.functional.gelu(fc1(x)))
     ctx.phase("backward")
-    y.backward(inp["dy"])
-    return {"y": y, "dx": x.grad, "dW1": fc1.weight.grad, "db1": fc1.bias.grad,
-            "dW2": fc2.weight.grad, "db2": fc2.bias.grad}
+    ctx.backward(y, inp["dy"])
+    return {"y": y, "dx": x.grad, "dW1": ctx.grad(fc1, "weight"), "db1": ctx.grad(fc1, "bias"),
+            "dW2": ctx.grad(fc2, "weight"), "db2": ctx.grad(fc2, "bias")}
 
 
 def _expect_mlp(cfg, ref, r, t):
@@ -157,7 +157,8 @@ HINTS = {
           "output features in a column-parallel one.",
     "dx": "Input grads need the conjugate operator: the f operator all-reduces dX in backward.",
     "dW": "Each rank's weight grad must equal its slice of the dense weight grad.",
-    "y": "Check which slice of W this rank keeps (rank r takes the r-th block of torch.chunk).",
+    "y": "Check the slice of W each rank keeps (rank r takes the r-th torch.chunk block) and that the "
+         "bias is added once, not on every rank.",
 }
 
 
