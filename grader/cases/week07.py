@@ -131,7 +131,7 @@ def _record(ctx, model):
         ctx.params[n] = local_shape(p)
 
 
-def _explain(exc: BaseException, unsharded: list[str]):
+def _explain(exc: BaseException):
     msg = str(exc)
     if "input_layouts should have same length" in msg:
         raise RuntimeError(f"PrepareModuleInput got no positional input: {KWARGS_HINT}") from None
@@ -157,6 +157,11 @@ def _run(mod, cfg, inp, ctx):
         _apply_plans(mod, model, mesh, whole_model=not block)
     _record(ctx, model)
     unsharded = unsharded_linears(model)
+    if unsharded:
+        held = ", ".join(f"`{n}` (weight {tuple(model.get_submodule(n).weight.shape)} on every rank)" for n in unsharded)
+        raise RuntimeError(f"not sharded: {held}. No plan key matched these layers, so they stay replicated "
+                           f"(parallelize_module only warns about a key that matches nothing): check the spelling "
+                           f"of the plan keys against model.named_modules().")
     out = {}
     try:
         with see_dtensor_collectives(ctx.ledger):
@@ -187,9 +192,7 @@ def _run(mod, cfg, inp, ctx):
                 if cfg["kind"] == "model":
                     out["logits"] = (logits.to_local() if isinstance(logits, DTensor) else logits).detach()
     except Exception as exc:                          # noqa: BLE001
-        if unsharded:                                 # the shape contract names the layer: say that, not the crash
-            return {}
-        _explain(exc, unsharded)
+        _explain(exc)
     ctx.phase("grads")                                # reducing Partial grads of replicated norms: not counted
     for n, p in model.named_parameters():
         out[f"grad:{n}"] = local_grad(p)

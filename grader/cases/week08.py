@@ -1,0 +1,124 @@
+"""Week 8: a generalized-TP / ZeRO-3 style linear chain with a one-ahead prefetch, on t = 2 and 4.
+
+Each rank stores W_i[r] = the r-th block of rows (out_features) of every weight and processes its own
+micro-batch (rank r takes rows r*N/t.. of x). Forward of layer i: all-gather W_i just before its GEMM
+while the gather of W_{i+1} is already in flight; backward of layer i: all-gather W_i again (W_{i-1}
+prefetched), dX = dY W_i locally, dW_i = dY^T X summed over ranks *and* split by rows with one
+reduce-scatter. So per step: L all-gathers forward, L all-gathers + L reduce-scatters backward, each
+of (t-1)/t of the full weight per rank, and at most two full weights alive at once.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from grader.case import Case, Contract, register
+
+MODULE = "gtp_linear"
+
+
+def _inputs(cfg, gen):
+    dims, N = cfg["dims"], cfg["N"]
+    d = {"x": torch.randn(N, dims[0], generator=gen), "dy": torch.randn(N, dims[-1], generator=gen)}
+    for i in range(len(dims) - 1):
+        d[f"W{i}"] = torch.randn(dims[i + 1], dims[i], generator=gen) / math.sqrt(dims[i])
+    return d
+
+
+def _weights(cfg, inp):
+    return [inp[f"W{i}"] for i in range(len(cfg["dims"]) - 1)]
+
+
+def _reference(cfg, inp):
+    """The dense chain on the whole batch: y = W_{L-1} gelu(... gelu(W_0 x))."""
+    ws = [w.clone().requires_grad_(True) for w in _weights(cfg, inp)]
+    x = inp["x"].clone().requires_grad_(True)
+    h = x
+    for i, w in enumerate(ws):
+        h = h @ w.T
+        if i < len(ws) - 1:
+            h = torch.nn.functional.gelu(h)
+    h.backward(inp["dy"])
+    out = {"y": h.detach(), "dx": x.grad}
+    out.update({f"dW{i}": w.grad for i, w in enumerate(ws)})
+    return out
+
+
+def _run(mod, cfg, inp, ctx):
+    from grader.gtp_monitor import GatherWatch
+    chain = mod.GTPChain.from_dense(_weights(cfg, inp), group=ctx.group)
+    ctx.record_params(chain)
+    x = ctx.shard(inp["x"], 0).requires_grad_(True)                  # this rank's micro-batch
+    watch = GatherWatch()
+    with watch, watch.saved_hooks():
+        ctx.phase("forward")
+        y = chain(x)
+        fwd_peak = watch.peak_count
+        if cfg["backward"]:
+            ctx.phase("backward")
+            y.backward(ctx.shard(inp["dy"], 0))
+    out = {"y": y, "peak_gathered_weights": torch.tensor(float(watch.peak_count)),
+           "full_weights_saved_for_backward": torch.tensor(float(watch.saved_full))}
+    if cfg["backward"]:
+        out["dx"] = x.grad
+        shards = list(chain.parameters())
+        out.update({f"dW{i}": p.grad for i, p in enumerate(shards)})
+    else:
+        out["peak_gathered_weights"] = torch.tensor(float(fwd_peak))
+    return out
+
+
+def _expected(cfg, ref, r, t):
+    out = {"y": ref["y"].chunk(t, 0)[r].contiguous(), "peak_gathered_weights": torch.tensor(2.0),
+           "full_weights_saved_for_backward": torch.tensor(0.0)}
+    if cfg["backward"]:
+        out["dx"] = ref["dx"].chunk(t, 0)[r].contiguous()
+        for i in range(len(cfg["dims"]) - 1):
+            out[f"dW{i}"] = ref[f"dW{i}"].chunk(t, 0)[r].contiguous()   # this rank's rows of the summed grad
+    return out
+
+
+def _contract(cfg, t):
+    dims = cfg["dims"]
+    L = len(dims) - 1
+    full_bytes = sum(4 * dims[i + 1] * dims[i] for i in range(L))
+    ag = (t - 1) / t * full_bytes
+    counts = {"forward": {"all_gather": L}}
+    sent = {"forward": ag}
+    why = {"forward": f"one all-gather per weight ({L} weights), just before its GEMM; nothing else: the "
+                      f"activations never leave the rank."}
+    if cfg["backward"]:
+        counts["backward"] = {"all_gather": L, "reduce_scatter": L}
+        sent["backward"] = 2 * ag
+        why["backward"] = (f"each weight is gathered again for dX = dY W ({L} all-gathers; the forward copy was "
+                           f"freed) and its full weight grad is summed over ranks and split by rows with one "
+                           f"reduce-scatter ({L}); an all-reduce would send twice the bytes and keep a full grad.")
+    params = {f"shards.{i}": (dims[i + 1] // t, dims[i]) for i in range(L)}
+    return Contract(counts=counts, bytes_sent=sent, params=params, why=why)
+
+
+HINTS = {
+    "peak_gathered_weights": ("The most full weights alive at once on a rank, measured at every all-gather: 2 = the "
+                              "one in use + the one being prefetched. More means gathered weights are kept alive "
+                              "(gathered up front, cached in a list, or stored on ctx); 1 means nothing is "
+                              "prefetched (start the next gather before this GEMM)."),
+    "full_weights_saved_for_backward": ("A gathered full weight was saved for backward (ctx.save_for_backward): "
+                                        "save only the input x and gather the weight again in backward."),
+    "y": "Rank r computes its own micro-batch with the full weight: check the gather order (rank r's shard "
+         "lands in rows r*out/t..) and the GELU between layers (none after the last).",
+    "dx": "dX = dY W_i with the full (re-gathered) weight; no collective on activations.",
+}
+for _i in range(8):
+    HINTS[f"dW{_i}"] = ("Each rank's grad shard is its rows of the dense grad summed over all ranks' micro-batches: "
+                        "reduce-scatter the full dY^T X (op SUM), do not keep only the local product.")
+
+for name, cfg, seed in [
+        ("forward", {"dims": [16, 32, 24, 32, 16], "N": 8, "backward": False}, 0),
+        ("forward_hidden", {"dims": [12, 8, 16, 20], "N": 4, "backward": False}, None),
+        ("chain", {"dims": [16, 32, 24, 32, 16], "N": 8, "backward": True}, 1),
+        ("chain_hidden", {"dims": [8, 16, 12, 24, 8, 12], "N": 12, "backward": True}, None)]:
+    register(Case(name=f"week08/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
+                  reference=_reference, run_rank=_run, expected=_expected, contract=_contract, seed=seed,
+                  hidden=seed is None, title="GTP chain " + ("forward" if not cfg["backward"] else "forward + backward"),
+                  hints=HINTS))
