@@ -62,12 +62,19 @@ def draw_buffers(ax, buffers: list[list[int]], title: str = "", t: int | None = 
     ax.set_aspect("equal")
 
 
-def holdings_grid(rows: list[tuple[str, list, list]], t: int, suptitle: str = ""):
-    """One row of panels per collective: (name, before, after) with buffers as in draw_buffers."""
-    fig, axes = plt.subplots(len(rows), 2, figsize=(6.4, 1.15 * t * len(rows) / 2 + 0.8), squeeze=False)
+def holdings_grid(rows: list[tuple[str, list, list]], t: int, suptitle: str = "", per_row: int = 2):
+    """Panels (before, after) per collective, `per_row` collectives side by side; buffers as in draw_buffers."""
+    n_rows = -(-len(rows) // per_row)
+    fig, axes = plt.subplots(n_rows, 2 * per_row, figsize=(3.3 * per_row * 2, 1.0 * t * n_rows + 0.9),
+                             squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
     for i, (name, before, after) in enumerate(rows):
-        draw_buffers(axes[i][0], before, f"{name}: before", t)
-        draw_buffers(axes[i][1], after, f"{name}: after", t)
+        a_before, a_after = axes[i // per_row][2 * (i % per_row)], axes[i // per_row][2 * (i % per_row) + 1]
+        for ax in (a_before, a_after):
+            ax.axis("on")
+        draw_buffers(a_before, before, f"{name}: before", t)
+        draw_buffers(a_after, after, f"{name}: after", t)
     handles = [Rectangle((0, 0), 1, 1, color=rank_color(r)) for r in range(t)]
     fig.legend(handles, [f"data of rank {r}" for r in range(t)], loc="lower center", ncol=t, fontsize=8,
                frameon=False)
@@ -124,3 +131,61 @@ def latency_plot(sizes_bytes, seconds, fit=None, label="measured", ax=None, extr
     if title:
         ax.set_title(title, fontsize=10)
     return ax
+
+
+def _matrix(ax, x0, shape, split, t, kind, label):
+    """Draw a (rows, cols) matrix at x0: split None|'rows'|'cols'; kind 'own'|'replicated'|'partial'."""
+    h, w = shape
+    for r in range(t if split else 1):
+        if split == "rows":
+            box = (x0, h - (r + 1) * h / t, w, h / t)
+        elif split == "cols":
+            box = (x0 + r * w / t, 0, w / t, h)
+        else:
+            box = (x0, 0, w, h)
+        if kind == "replicated":
+            ax.add_patch(Rectangle(box[:2], box[2], box[3], facecolor="0.8", edgecolor="k", lw=0.8))
+        elif kind == "partial":                         # every rank holds a full-size partial sum
+            for k in range(t):
+                ax.add_patch(Rectangle((box[0] + k * box[2] / t, box[1]), box[2] / t, box[3],
+                                       facecolor=rank_color(k), alpha=0.6, edgecolor="none"))
+            ax.add_patch(Rectangle(box[:2], box[2], box[3], fill=False, edgecolor="k", lw=0.8))
+        else:
+            ax.add_patch(Rectangle(box[:2], box[2], box[3], facecolor=rank_color(r), edgecolor="k", lw=0.8))
+            ax.text(box[0] + box[2] / 2, box[1] + box[3] / 2, f"{r}", ha="center", va="center", fontsize=8,
+                    color="white", fontweight="bold")
+    ax.text(x0 + w / 2, h + 0.4, label, ha="center", va="bottom", fontsize=9)
+
+
+def tp_blocks_figure(t: int = 4, batch: float = 2.0, d_in: float = 4.0, d_out: float = 4.0):
+    """Which rank holds which block of X (B, in), W (out, in) and Y (B, out) in column- and row-parallel
+    linear layers. Colour = the rank that holds the block; grey = replicated on every rank;
+    striped = every rank holds a different partial sum of the same full-size block."""
+    fig, axes = plt.subplots(2, 1, figsize=(8.2, 5.0))
+    layouts = [
+        ("column-parallel: W split by output features (rows); Y_r = X W_r^T is local",
+         [("X (B, in): replicated", (batch, d_in), None, "replicated"),
+          ("W (out, in): row blocks", (d_out, d_in), "rows", "own"),
+          ("Y (B, out): column blocks", (batch, d_out), "cols", "own")]),
+        ("row-parallel: W split by input features (columns); Y = Σ_r X_r W_r^T needs an all-reduce",
+         [("X (B, in): column blocks", (batch, d_in), "cols", "own"),
+          ("W (out, in): column blocks", (d_out, d_in), "cols", "own"),
+          ("X_r W_r^T: partial sums", (batch, d_out), None, "partial"),
+          ("Y after all-reduce", (batch, d_out), None, "replicated")]),
+    ]
+    for ax, (title, mats) in zip(axes, layouts):
+        x0 = 0.0
+        for label, shape, split, kind in mats:
+            _matrix(ax, x0, shape, split, t, kind, label)
+            x0 += shape[1] + 1.6
+        ax.set_xlim(-0.3, x0 - 1.0)
+        ax.set_ylim(-0.3, max(d_out, batch) + 1.2)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        ax.set_title(title, fontsize=10)
+    handles = [Rectangle((0, 0), 1, 1, color=rank_color(r)) for r in range(t)] + \
+              [Rectangle((0, 0), 1, 1, color="0.8")]
+    fig.legend(handles, [f"rank {r}" for r in range(t)] + ["every rank (replicated)"], loc="lower center",
+               ncol=t + 1, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
