@@ -1,0 +1,171 @@
+"""Week 4: vocabulary-parallel embedding and cross-entropy, vs F.embedding / F.cross_entropy.
+
+The padding rule (as Megatron pads its vocabulary to a multiple of the TP size): with V rows and t
+ranks, each rank owns ceil(V/t) consecutive rows of the padded vocabulary; rank r owns global ids
+[r ceil(V/t), (r+1) ceil(V/t)); ids >= V are padding. The embedding shard stores zeros there; the
+cross-entropy masks padded logit columns out (they are filled with a large value here, as garbage
+from a padded lm_head could be, so padding that is not masked wins the max and the softmax).
+
+Cross-entropy (Megatron-LM core/tensor_parallel/cross_entropy.py): three all-reduces of [B, T]
+tensors forward: MAX of the row max, SUM of the target logit (non-zero on the owning rank only),
+SUM of the sum of exp; loss = log(sum exp) - z_target per token; backward softmax - onehot is
+local. Ignored targets are handled by a loss mask (ignore_index may even be a real id), the mean
+runs over the unmasked tokens. Label smoothing eps needs the sum of the logits over the *whole*
+vocabulary (PyTorch: (1-eps) nll + eps * mean_v(-log p_v)); it travels with the target-logit SUM
+as one [2, B, T] all-reduce, so still 3 all-reduces, 4 [B, T]-units of bytes.
+
+atol=1e-3: logits are 2 N(0, 1) in float32, a loss is a mean of O(1) terms, and the backward is seeded
+with dL/dloss = B*T so each logit grad is O(1) (not O(1/#tokens), where an error would hide under the
+atol); a correct implementation is within ~1e-6, a wrong mask or smoothing term is off by >1e-2.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from grader.case import Case, Contract, register
+
+MODULE = "vocab_parallel"
+PAD_LOGIT = 30.0   # what a padded lm_head row might produce: must never win
+
+
+def padded_rows(vocab: int, t: int) -> int:
+    return math.ceil(vocab / t)
+
+
+def _pad_shard(x: torch.Tensor, vocab: int, r: int, t: int, dim: int, value: float = 0.0) -> torch.Tensor:
+    """Rank r's slice of x padded along `dim` from V to t ceil(V/t) entries."""
+    per = padded_rows(vocab, t)
+    pad = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, t * per - vocab]
+    return F.pad(x, pad, value=value).narrow(dim, r * per, per).contiguous()
+
+
+# -- embedding -------------------------------------------------------------------
+def _emb_inputs(cfg, gen):
+    B, T, V, C = cfg["batch"], cfg["seq"], cfg["vocab"], cfg["hidden"]
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    ids[0, 0], ids[-1, -1] = 0, V - 1                       # the first and the last row, always
+    return {"ids": ids, "W": torch.randn(V, C, generator=gen), "dy": torch.randn(B, T, C, generator=gen)}
+
+
+def _emb_reference(cfg, inp):
+    w = inp["W"].clone().requires_grad_(True)
+    y = F.embedding(inp["ids"], w)                          # (B, T, C)
+    y.backward(inp["dy"])
+    return {"y": y.detach(), "dW": w.grad}
+
+
+def _emb_run(mod, cfg, inp, ctx):
+    dense = torch.nn.Embedding(cfg["vocab"], cfg["hidden"])
+    with torch.no_grad():
+        dense.weight.copy_(inp["W"])
+    emb = mod.VocabParallelEmbedding.from_dense(dense, group=ctx.group)
+    ctx.record_params(emb)
+    ctx.phase("forward")
+    y = emb(inp["ids"].clone())
+    ctx.phase("backward")
+    y.backward(inp["dy"])
+    return {"y": y, "dW": emb.weight.grad}
+
+
+def _emb_expected(cfg, ref, r, t):
+    return {"y": ref["y"], "dW": _pad_shard(ref["dW"], cfg["vocab"], r, t, 0)}
+
+
+def _emb_contract(cfg, t):
+    return Contract(
+        counts={"forward": {"all_reduce": 1}, "backward": {}},
+        bytes_sent={"forward": 2 * (t - 1) / t * cfg["batch"] * cfg["seq"] * cfg["hidden"] * 4},
+        params={"weight": (padded_rows(cfg["vocab"], t), cfg["hidden"])},
+        why={"forward": "each rank looks up the ids it owns and zeros the rest: one all-reduce of (B, T, C) sums them.",
+             "backward": "the all-reduce's backward is the identity; each rank scatters dY into its own rows."})
+
+
+# -- cross-entropy ----------------------------------------------------------------
+def _ce_inputs(cfg, gen):
+    B, T, V = cfg["batch"], cfg["seq"], cfg["vocab"]
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    drop = torch.rand(B, T, generator=gen) < cfg.get("ignore_frac", 0.0)
+    targets[drop] = cfg["ignore_index"]
+    targets[0, 0] = (cfg["ignore_index"] + 1) % V if 0 <= cfg["ignore_index"] < V else V - 1  # one kept token
+    return {"logits": 2.0 * torch.randn(B, T, V, generator=gen), "targets": targets}
+
+
+def _upstream(cfg) -> float:
+    """dL/dloss = B*T, as if the loss were summed over tokens: each logit grad is then O(1), not O(1/#tokens)."""
+    return float(cfg["batch"] * cfg["seq"])
+
+
+def _ce_reference(cfg, inp):
+    z = inp["logits"].clone().requires_grad_(True)
+    loss = F.cross_entropy(z.flatten(0, 1), inp["targets"].flatten(), ignore_index=cfg["ignore_index"],
+                           label_smoothing=cfg["smoothing"])          # mean over the kept tokens
+    loss.backward(torch.tensor(_upstream(cfg)))
+    return {"loss": loss.detach(), "dlogits": z.grad}
+
+
+def _ce_run(mod, cfg, inp, ctx):
+    r, t, V = ctx.rank, ctx.world_size, cfg["vocab"]
+    local = _pad_shard(inp["logits"], V, r, t, -1, value=PAD_LOGIT).requires_grad_(True)  # (B, T, ceil(V/t))
+    ctx.phase("forward")
+    loss = mod.vocab_parallel_cross_entropy(local, inp["targets"].clone(), group=ctx.group,
+                                            ignore_index=cfg["ignore_index"], label_smoothing=cfg["smoothing"],
+                                            vocab_size=V)
+    ctx.phase("backward")
+    loss.backward(torch.tensor(_upstream(cfg)))
+    return {"loss": loss, "dlogits": local.grad}
+
+
+def _ce_expected(cfg, ref, r, t):
+    return {"loss": ref["loss"], "dlogits": _pad_shard(ref["dlogits"], cfg["vocab"], r, t, -1)}
+
+
+def _ce_contract(cfg, t):
+    units = 4 if cfg["smoothing"] > 0 else 3
+    return Contract(
+        counts={"forward": {"all_reduce": 3}, "backward": {}},
+        bytes_sent={"forward": units * 2 * (t - 1) / t * cfg["batch"] * cfg["seq"] * 4},
+        why={"forward": "three all-reduces of [B, T] only: MAX of the row max, SUM of the target logit (with label "
+                        "smoothing: stacked with the sum of the logits), SUM of the sum of exp. Never gather the "
+                        "[B, T, V] logits.",
+             "backward": "softmax - onehot is local: each rank already holds its softmax columns and the global "
+                         "sum-exp, so the backward needs no collective."})
+
+
+HINTS = {
+    "y": "Mask the ids outside [vocab_start, vocab_end), shift the rest, look up, zero the masked rows, then "
+         "all-reduce once.",
+    "dW": "Rank r's weight grad is rows [r ceil(V/t), (r+1) ceil(V/t)) of the dense grad, zero on padding rows.",
+    "loss": "The mean runs over the kept tokens only (targets != ignore_index, a loss mask); padded columns "
+            "(global id >= vocab_size) must be masked out before the max and the sum of exp; label smoothing "
+            "averages -log p over the whole vocabulary (vocab_size), not over the local shard.",
+    "dlogits": "Backward is (softmax - (1-eps) onehot - eps/V) * mask / #kept on your columns, zero on padded "
+               "columns and on ignored tokens.",
+}
+
+
+def _c(**kw):
+    d = {"batch": 2, "seq": 6, "vocab": 64, "hidden": 16, "ignore_index": -100, "smoothing": 0.0, "ignore_frac": 0.0}
+    d.update(kw)
+    return d
+
+
+EMB = [("embedding", (2, 4), _c(), 0), ("embedding_uneven", (2, 4), _c(vocab=30), 1),
+       ("embedding_hidden", (3, 4), _c(batch=3, seq=4, vocab=37, hidden=12), None)]
+CE = [("cross_entropy", (2, 4), _c(), 2),
+      ("cross_entropy_uneven", (2, 4), _c(vocab=30, ignore_frac=0.3), 3),
+      ("cross_entropy_smoothing", (2, 4), _c(vocab=30, ignore_frac=0.3, smoothing=0.1), 4),
+      ("cross_entropy_hidden", (3, 4), _c(batch=3, seq=5, vocab=37, ignore_frac=0.2), None),
+      ("cross_entropy_ignore_real_id_hidden", (2, 4), _c(seq=7, vocab=21, ignore_index=3, ignore_frac=0.2), None),
+      ("cross_entropy_smoothing_hidden", (3, 4), _c(batch=1, seq=9, vocab=53, ignore_frac=0.2, smoothing=0.2), None)]
+
+for name, ws, cfg, seed in EMB:
+    register(Case(name=f"week04/{name}", module=MODULE, world_sizes=ws, config=cfg, make_inputs=_emb_inputs,
+                  reference=_emb_reference, run_rank=_emb_run, expected=_emb_expected, contract=_emb_contract,
+                  seed=seed, hidden=seed is None, title="VocabParallelEmbedding", hints=HINTS))
+for name, ws, cfg, seed in CE:
+    register(Case(name=f"week04/{name}", module=MODULE, world_sizes=ws, config=cfg, make_inputs=_ce_inputs,
+                  reference=_ce_reference, run_rank=_ce_run, expected=_ce_expected, contract=_ce_contract,
+                  seed=seed, hidden=seed is None, title="vocab-parallel cross-entropy", hints=HINTS))
