@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from grader.ledger import CommLedger
+from grader.ledger import CommLedger, ring_bytes_sent
 from grader.models import ModelConfig
 
 
@@ -83,7 +83,32 @@ class DTensorCommLedger(CommLedger):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):   # FakeTensor (sharding propagation) must go through
             return NotImplemented
+        self._namespace = func.namespace
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _entry(self, op: str, args) -> dict:
+        """Functional collectives (what DTensor issues) take (input, ..., group_size, group_name): count the
+        full tensor and use the op's own group size (a 2-D mesh mixes groups of different sizes)."""
+        entry = super()._entry(op, args)
+        if getattr(self, "_namespace", "") != "_c10d_functional" or not args or not isinstance(args[0], torch.Tensor):
+            return entry
+        n = args[0].numel() * args[0].element_size()
+        sizes = [a for a in args[1:] if isinstance(a, int) and not isinstance(a, bool)]
+        gs = sizes[0] if sizes and op in ("all_gather", "reduce_scatter") else self.group_size
+        if op == "all_gather":
+            n *= gs                                   # the input is this rank's shard
+        if op == "all_reduce" and len(args) > 2 and isinstance(args[2], str):
+            gs = _group_size(args[2], self.group_size)
+        entry["bytes"], entry["sent"], entry["group"] = int(n), float(ring_bytes_sent(op, n, gs)), gs
+        return entry
+
+
+def _group_size(group_name: str, default: int) -> int:
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return _resolve_process_group(group_name).size()
+    except Exception:      # noqa: BLE001
+        return default
 
 
 @contextmanager
@@ -119,32 +144,62 @@ def pad_reference(input_ids: torch.Tensor, labels: torch.Tensor, multiple: int, 
     return input_ids, labels
 
 
-class SavedActivations:
-    """Bytes of tensors autograd saves for backward (saved_tensors_hooks), counted once per storage.
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
 
-    What it measures: activation memory held between forward and backward on this rank (local shards
-    for DTensors), not allocator peaks. Parameters that autograd saves are excluded by identity.
+
+def _ptr(t) -> int:
+    try:
+        return _local(t).untyped_storage().data_ptr()
+    except Exception:      # noqa: BLE001
+        return -1
+
+
+def state_bytes(model: torch.nn.Module, optimizer=None) -> dict:
+    """Bytes this rank stores for parameters, gradients and optimizer state (local shards of DTensors)."""
+    def nb(t):
+        t = _local(t)
+        return t.numel() * t.element_size()
+    out = {"params": sum(nb(p) for p in model.parameters()),
+           "grads": sum(nb(p.grad) for p in model.parameters() if p.grad is not None), "optimizer": 0}
+    if optimizer is not None:
+        for st in optimizer.state.values():
+            out["optimizer"] += sum(nb(v) for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return out
+
+
+class SavedActivations:
+    """Bytes of tensors autograd keeps for backward on this rank, each storage counted once.
+
+    Measured with saved_tensors_hooks (local shards for DTensors). Parameters are excluded by storage,
+    looked up at pack time so FSDP2's temporarily unsharded weights are excluded too. A checkpointed
+    layer saves nothing through these hooks: its input (what checkpointing keeps) is added by a
+    forward pre-hook on each module in `checkpointed`.
     """
 
-    def __init__(self, exclude: list[torch.Tensor] = ()):
-        self._skip = {self._key(p) for p in exclude}
-        self._seen: set = set()
+    def __init__(self, model: torch.nn.Module, checkpointed=()):
+        self.model = model
         self.bytes = 0
+        self._seen: set = set()
+        self._handles = [m.register_forward_pre_hook(self._keep_input) for m in checkpointed]
 
-    @staticmethod
-    def _key(t):
-        t = t.to_local() if isinstance(t, DTensor) else t
-        try:
-            return t.untyped_storage().data_ptr()
-        except Exception:
-            return id(t)
+    def _add(self, t):
+        local = _local(t)
+        k = _ptr(t)
+        if k in self._seen:
+            return
+        self._seen.add(k)
+        self.bytes += local.untyped_storage().nbytes()
+
+    def _keep_input(self, module, args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                self._add(a)
 
     def _pack(self, t):
-        local = t.to_local() if isinstance(t, DTensor) else t
-        k = self._key(t)
-        if k not in self._skip and k not in self._seen:
-            self._seen.add(k)
-            self.bytes += local.untyped_storage().nbytes() if local.layout == torch.strided else 0
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            if _ptr(t) not in {_ptr(p) for p in self.model.parameters()}:
+                self._add(t)
         return t
 
     def __enter__(self):
@@ -153,4 +208,22 @@ class SavedActivations:
         return self
 
     def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
         return self._ctx.__exit__(*exc)
+
+
+def tp_only_plans():
+    """Megatron-style TP without SP (Weeks 3-4) as plans: (block plan, top-level plan).
+
+    Activations stay replicated between sub-blocks, so no PrepareModuleInput is needed and the norms
+    stay plain modules; each sub-block ends in an all-reduce (RowwiseParallel's default Replicate output).
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    block = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+    block.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                  "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+           "lm_head": ColwiseParallel(use_local_output=False)}       # vocab-sharded DTensor for loss_parallel
+    return block, top

@@ -119,12 +119,12 @@ def simulate(schedule, m: int | None = None, v: int = 1, t_f: float = 1.0, t_b: 
         for a in row:
             seen[a] = seen.get(a, 0) + 1
         for a in sorted(want - set(seen)):
-            tl.problems.append(f"rank {r} never runs {a[0]}(mb {a[1]}" + (f", chunk {a[2]})" if v > 1 else ")"))
+            tl.problems.append(f"stage {r} never runs {a[0]}(mb {a[1]}" + (f", chunk {a[2]})" if v > 1 else ")"))
         for a, n in sorted(seen.items()):
             if a not in want:
-                tl.problems.append(f"rank {r} runs {a} which is outside m={m}, v={v}")
+                tl.problems.append(f"stage {r} runs {a} which is outside m={m}, v={v}")
             elif n > 1:
-                tl.problems.append(f"rank {r} runs {a[0]}(mb {a[1]}) {n} times")
+                tl.problems.append(f"stage {r} runs {a[0]}(mb {a[1]}) {n} times")
     cost = {"F": t_f / v, "B": t_b / v}
     n_virtual = p * v
     done: dict[tuple, float] = {}           # (kind, mb, virtual stage) -> finish time
@@ -155,16 +155,24 @@ def simulate(schedule, m: int | None = None, v: int = 1, t_f: float = 1.0, t_b: 
                 tl.peak_in_flight[r] = max(tl.peak_in_flight[r], live[r])
                 pos[r] += 1
                 progress = True
-    for r in range(p):
-        if pos[r] < len(acts[r]):
+    blocked = [r for r in range(p) if pos[r] < len(acts[r])]
+    if blocked:
+        # follow "r waits for r2" to the root: a rank waiting on itself, or the first rank seen twice
+        r, seen = blocked[0], set()
+        while r not in seen:
+            seen.add(r)
             a = acts[r][pos[r]]
-            missing = [d for d in needs(r, a) if d not in done]
-            kind, mb, vs = missing[0]
-            tl.stuck = (r, pos[r], a, (kind, mb, vs % p))
-            tl.problems.append(
-                f"rank {r} is stuck at its action #{pos[r]} {a[0]}(mb {a[1]}): it needs {kind}(mb {mb}) on "
-                f"rank {vs % p} first, which never comes (a dependency violation: the ranks wait on each other)")
-            break
+            kind, mb, vs = [d for d in needs(r, a) if d not in done][0]
+            if vs % p == r or pos[vs % p] >= len(acts[vs % p]):
+                break
+            r = vs % p
+        a = acts[r][pos[r]]
+        kind, mb, vs = [d for d in needs(r, a) if d not in done][0]
+        tl.stuck = (r, pos[r], a, (kind, mb, vs % p))
+        where = "the same stage, earlier in its list," if vs % p == r else f"stage {vs % p}"
+        tl.problems.append(
+            f"stage {r} is stuck at its action #{pos[r]} {a[0]}(mb {a[1]}): it needs {kind}(mb {mb}) on "
+            f"{where} first, which never comes (a dependency violation: the ranks wait on each other)")
     tl.makespan = max(clock) if any(clock) else 0.0
     return tl
 

@@ -24,6 +24,9 @@ if dist.is_initialized():
 """
 
 
+USAGE = "Usage: %%torchrun [-n N] [--backend gloo|nccl] [--launcher fork|torchrun] [--timeout S] [--no-init]"
+
+
 class RankFailure(RuntimeError):
     """A rank failed or the job hung; the message carries the root cause."""
 
@@ -35,7 +38,15 @@ def parse_args(line: str) -> argparse.Namespace:
     p.add_argument("--launcher", default=None)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--no-init", action="store_true")
-    return p.parse_args(shlex.split(line))
+    try:
+        a, unknown = p.parse_known_args(shlex.split(line))
+    except SystemExit:  # argparse's own error already printed; say it plainly too
+        raise ValueError(f"%%torchrun {line!r}: bad option value. {USAGE}") from None
+    if unknown:
+        raise ValueError(f"%%torchrun: unknown option(s) {' '.join(unknown)}. {USAGE}")
+    if a.nproc < 1:
+        raise ValueError(f"%%torchrun: -n must be at least 1, got {a.nproc}")
+    return a
 
 
 def run_cell(line: str, cell: str, print_fn=print):

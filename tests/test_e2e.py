@@ -109,7 +109,6 @@ def _visit(browser, url: str, shot: str) -> dict:
     # MathJax 3 typesets after load: wait for its startup promise (pages without math have no MathJax)
     page.evaluate("async () => { if (window.MathJax && MathJax.startup && MathJax.startup.promise) "
                   "await MathJax.startup.promise; }")
-    page.wait_for_timeout(300)
     info = page.evaluate("""() => ({
         title: document.title,
         imgs: [...document.querySelectorAll('main img, article img, .cell_output img')].map(i => ({
@@ -149,7 +148,7 @@ def test_site_every_week_renders(browser, site):
             assert not info["errors"], f"{where}: {info['errors']}"
             bad = [i for i in info["imgs"] if not i["ok"]]
             assert not bad, f"{where}: images that do not render: {bad}"
-            want = _png_outputs(os.path.join(ROOT, p))
+            want = _png_outputs(os.path.join(SITE + "-src", p))  # the copy the site was built from
             plots = [i for i in info["imgs"] if "_images/" in (i["src"] or "")]
             assert len(plots) >= want, f"{where}: {want} plot output(s) in the notebook, {len(plots)} on the page"
             if info["math"]:
@@ -175,7 +174,9 @@ def test_site_week_page_links_to_lab(browser, site):
     text = page.inner_text("article")
     assert "python -m grader check" in text or "check(" in text
     page.close()
-    assert not watch.errors, watch.errors
+    # a request cut short by the navigation the click started (net::ERR_ABORTED) is not an error
+    errors = [e for e in watch.errors if "ERR_ABORTED" not in e]
+    assert not errors, errors
 
 
 # -- 2. JupyterLab ------------------------------------------------------------------

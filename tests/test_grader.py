@@ -1,0 +1,122 @@
+"""grader units: the ledger, the comparison messages, notebook parsing, and check() wiring."""
+import math
+
+import pytest
+import torch
+
+from grader.case import Contract
+from grader.compare import check_contract, compare_tensor, describe_error, is_comm_error
+from grader.job import EXECUTE_TIMEOUT, KILL_GRACE, PG_TIMEOUT, job_wall_clock
+from grader.ledger import CommLedger, ring_bytes_sent
+from grader.notebook import check_names, grade_cells, module_sources
+
+
+def test_ring_bytes_formulas():
+    n = 4096
+    assert ring_bytes_sent("all_reduce", n, 4) == 2 * 3 / 4 * n
+    assert ring_bytes_sent("all_gather", n, 4) == ring_bytes_sent("reduce_scatter", n, 4) == 3 / 4 * n
+    # AR = RS + AG, in volume too
+    assert ring_bytes_sent("all_reduce", n, 8) == ring_bytes_sent("reduce_scatter", n, 8) + ring_bytes_sent("all_gather", n, 8)
+    assert ring_bytes_sent("all_reduce", n, 1) == 0
+
+
+def test_compare_messages():
+    want = torch.zeros(2, 3)
+    assert compare_tensor("y", want.clone(), want, 1e-3, 0)[0] is None
+    msg, _ = compare_tensor("y", torch.zeros(3, 2), want, 1e-3, 1)
+    assert msg == "rank 1: `y` has shape (3, 2); expected (2, 3)."
+    got = want.clone()
+    got[1, 2] = float("nan")
+    assert "contains NaN (1 of 6 values, first at [1, 2])" in compare_tensor("y", got, want, 1e-3, 0)[0]
+    got = want.clone()
+    got[0, 1] = 0.25
+    msg, err = compare_tensor("dW", got, want, 1e-3, 3, hint="Look at the slice.")
+    assert err == 0.25 and "max |err| 0.25 at [0, 1]" in msg and "atol=1 to pass" in msg and msg.endswith("Look at the slice.")
+    assert "is float64; expected float32" in compare_tensor("y", want.double(), want, 1e-3, 0)[0]
+    assert "is missing (None)" in compare_tensor("y", None, want, 1e-3, 0)[0]
+    assert compare_tensor("y", want + 5e-4, want, 1e-3, 0)[0] is None  # inside atol
+
+
+def test_contract_messages():
+    c = Contract(counts={"forward": {"all_reduce": 1}}, params={"weight": (4, 8)})
+    res = {"ledger": [{"phase": "forward", "op": "all_reduce", "sent": 0}] * 2, "params": {"weight": [8, 8]}}
+    probs = check_contract(c, res, 0)
+    assert "rank 0: forward used 2 all_reduce; the contract is 1." in probs
+    assert any("keeps `weight` of shape (8, 8); its shard is (4, 8)" in p for p in probs)
+    c = Contract(allowed_ops={"send", "recv"}, bytes_sent={"all": 96})
+    probs = check_contract(c, {"ledger": [{"phase": "forward", "op": "all_reduce", "sent": 96}]}, 2)
+    assert any("only recv, send are allowed" in p for p in probs)
+
+
+def test_error_descriptions():
+    stub = 'Traceback (most recent call last):\n  File "/j/student/m.py", line 7, in Layer.forward\n    raise NotImplementedError("x")\nNotImplementedError: x'
+    assert describe_error(stub, 0) == "rank 0: not implemented yet: `Layer.forward` (m.py line 7) raises NotImplementedError: x"
+    comm = "Traceback...\nRuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+    assert is_comm_error(comm) and not is_comm_error(stub)
+    assert "lost its peers in its first collective" in describe_error(comm, 1, {"ledger": []})
+
+
+def test_timeouts_nest():
+    assert PG_TIMEOUT < job_wall_clock(1) < job_wall_clock(40) + KILL_GRACE < EXECUTE_TIMEOUT
+
+
+def test_ledger_sees_collectives_in_forward_and_backward():
+    """One rank, gloo: the dispatch mode sees c10d ops issued inside a custom backward."""
+    import os
+    import torch.distributed as dist
+    from launch.forkrun import free_port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        class F(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                g = g.clone()
+                dist.all_reduce(g)
+                return g
+        x = torch.ones(4, requires_grad=True)
+        with CommLedger(group_size=2) as led:
+            led.set_phase("forward")
+            y = F.apply(x)
+            out = torch.empty(8)
+            dist.all_gather_into_tensor(out[:4], x.detach())
+            led.set_phase("backward")
+            y.sum().backward()
+        assert led.counts("forward") == {"all_gather": 1}
+        assert led.counts("backward") == {"all_reduce": 1}
+        assert led.bytes_sent("backward") == 2 * 1 / 2 * 16
+    finally:
+        dist.destroy_process_group()
+
+
+NB = {"cells": [
+    {"cell_type": "code", "source": "%%writefile m.py\nA = 1", "metadata": {}},
+    {"cell_type": "code", "source": "%%writefile -a m.py\nB = 2\n", "metadata": {}},
+    {"cell_type": "code", "source": ["%%writefile other.py\n", "C = 3"], "metadata": {}},
+    {"cell_type": "code", "source": 'check("w/a", "w/b")\n### BEGIN HIDDEN TESTS\ncheck("w/c")\n### END HIDDEN TESTS',
+     "metadata": {"nbgrader": {"grade": True, "grade_id": "g1", "points": 2}}},
+    {"cell_type": "code", "source": "print(1)", "metadata": {"nbgrader": {"grade": True, "grade_id": "g2", "points": 1}}},
+]}
+
+
+def test_notebook_parsing():
+    assert module_sources(NB) == {"m.py": "A = 1\nB = 2\n", "other.py": "C = 3\n"}
+    assert check_names('grader.check("x/y")\nif 0: check("z/w")') == ["x/y", "z/w"]
+    cells = grade_cells(NB)
+    assert [(c[2], c[3]) for c in cells] == [(["w/a", "w/b", "w/c"], 2.0)]
+
+
+def test_check_in_kernel_is_deferred_and_validates(monkeypatch, capsys):
+    from grader import check
+    with pytest.raises(ValueError, match="name the check"):
+        check()
+    monkeypatch.setenv("GRADER_DEFER_CHECKS", "1")
+    check("week02/mlp")
+    assert "deferred to the trusted grader" in capsys.readouterr().out
+    monkeypatch.delenv("GRADER_DEFER_CHECKS")
+    with pytest.raises(KeyError, match="no check named 'week02/nope'"):
+        check("week02/nope")

@@ -1,0 +1,106 @@
+"""launch: ranks start with torchrun's environment, output is prefixed, failures and hangs
+are reported with the root cause first, and nothing is left running."""
+import os
+import textwrap
+
+import pytest
+
+from launch import run
+from launch.backend import default_launcher, pick_backend
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import torch, torch.distributed as dist
+    from launch.dist import init_process_group
+    rank, world, _ = init_process_group()
+    t = torch.ones(2) * rank
+    dist.all_reduce(t)
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID"]
+    print("env", all(k in os.environ for k in keys), "sum", int(t[0]))
+    mode = sys.argv[1] if len(sys.argv) > 1 else ""
+    if mode == "crash" and rank == 1:
+        raise ValueError("rank one is broken")
+    if mode == "hang" and rank == 0:
+        time.sleep(600)
+    if mode == "daemon" and rank == 0:
+        if os.fork() == 0:
+            os.setsid()
+            time.sleep(600)
+    dist.barrier()
+""")
+
+
+@pytest.fixture()
+def script(tmp_path):
+    p = tmp_path / "job.py"
+    p.write_text(SCRIPT)
+    return str(p)
+
+
+def job_processes_alive(job_script) -> list[int]:
+    alive = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if job_script.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                    alive.append(int(pid))
+            except OSError:
+                pass
+    return alive
+
+
+def test_backend_and_launcher_choice():
+    assert pick_backend(4, "gloo") == "gloo"
+    assert default_launcher("gloo") == "fork"
+    assert default_launcher("nccl") == "torchrun"
+    with pytest.raises(ValueError, match="unknown"):
+        pick_backend(2, "mpi")
+    with pytest.raises(ValueError, match="fork launcher cannot start NCCL"):
+        default_launcher("nccl", "fork")
+    if pick_backend(2) == "gloo":  # no GPUs here
+        with pytest.raises(RuntimeError, match="one GPU per rank"):
+            pick_backend(2, "nccl")
+
+
+@pytest.mark.parametrize("launcher", ["fork", "torchrun"])
+def test_ranks_run_with_torchrun_environment(script, launcher):
+    res = run(script, 3, module=False, launcher=launcher, timeout=60)
+    assert res.ok, res.output
+    for r in range(3):
+        assert "env True sum 3" in res.rank_output(r)
+    assert sorted(res.exitcodes) == [0, 1, 2]
+
+
+def test_crash_names_the_root_cause_rank(script):
+    res = run(script, 3, ["crash"], module=False, timeout=60)
+    assert not res.ok and res.first_failure == 1
+    cause = res.root_cause()
+    assert cause.startswith("rank 1 failed first") and "ValueError: rank one is broken" in cause
+    assert "forkrun" not in cause  # the launcher's own frames are not the student's problem
+    assert not job_processes_alive(script)
+
+
+def test_hang_is_killed_at_the_wall_clock(script):
+    res = run(script, 2, ["hang"], module=False, timeout=8, kill_grace=1)
+    assert res.timed_out and res.returncode == 124
+    assert "wall clock" in res.root_cause()
+    assert not job_processes_alive(script)
+
+
+def test_escaped_daemon_is_killed(script):
+    res = run(script, 2, ["daemon"], module=False, timeout=30)
+    assert res.ok
+    assert res.leftovers_killed >= 1
+    assert not job_processes_alive(script)
+
+
+def test_magic_streams_and_raises(tmp_path):
+    from launch.magic import RankFailure, run_cell
+    lines = []
+    os.chdir(tmp_path)
+    run_cell("-n 2", "print('hello from', rank, 'of', world_size)", print_fn=lines.append)
+    assert sorted(lines) == ["[rank 0] hello from 0 of 2", "[rank 1] hello from 1 of 2"]
+    with pytest.raises(RankFailure, match="ZeroDivisionError"):
+        run_cell("-n 2", "x = 1 / (rank - 1)", print_fn=lines.append)
+    with pytest.raises(ValueError, match="unknown option"):
+        run_cell("--bogus", "pass")
