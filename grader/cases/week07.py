@@ -131,6 +131,16 @@ def _record(ctx, model):
         ctx.params[n] = local_shape(p)
 
 
+def _require_sharded(model):
+    from grader.dtensor_tools import unsharded_linears
+    unsharded = unsharded_linears(model)
+    if unsharded:
+        held = ", ".join(f"`{n}` (weight {tuple(model.get_submodule(n).weight.shape)} on every rank)" for n in unsharded)
+        raise RuntimeError(f"not sharded: {held}. No plan key matched these layers, so they stay replicated "
+                           f"(parallelize_module only warns about a key that matches nothing): check the spelling "
+                           f"of the plan keys against model.named_modules().")
+
+
 def _explain(exc: BaseException):
     msg = str(exc)
     if "input_layouts should have same length" in msg:
@@ -145,7 +155,7 @@ def _run(mod, cfg, inp, ctx):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
-    from grader.dtensor_tools import local_grad, see_dtensor_collectives, tp_mesh_for, unsharded_linears
+    from grader.dtensor_tools import local_grad, see_dtensor_collectives, tp_mesh_for
 
     mc = _cfg(cfg)
     seed = int(inp["init_seed"][0])
@@ -156,12 +166,7 @@ def _run(mod, cfg, inp, ctx):
         warnings.simplefilter("ignore")            # a misspelled key only warns: the shape check names it
         _apply_plans(mod, model, mesh, whole_model=not block)
     _record(ctx, model)
-    unsharded = unsharded_linears(model)
-    if unsharded:
-        held = ", ".join(f"`{n}` (weight {tuple(model.get_submodule(n).weight.shape)} on every rank)" for n in unsharded)
-        raise RuntimeError(f"not sharded: {held}. No plan key matched these layers, so they stay replicated "
-                           f"(parallelize_module only warns about a key that matches nothing): check the spelling "
-                           f"of the plan keys against model.named_modules().")
+    _require_sharded(model)
     out = {}
     try:
         with see_dtensor_collectives(ctx.ledger):
@@ -214,6 +219,7 @@ def _run_fsdp_tp(mod, cfg, inp, ctx):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _apply_plans(mod, model, mesh["tp"], whole_model=True)
+        _require_sharded(model)
         mod.apply_fsdp(model, mesh["dp"])
     _record(ctx, model)
     d = mesh["dp"].get_local_rank()
