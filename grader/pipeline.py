@@ -252,3 +252,65 @@ def split_stage(model, p: int, s: int) -> Stage:
 def stage_param_names(model, p: int, s: int) -> list[str]:
     st = split_stage(model, p, s)
     return [st.full_name(n) for n, _ in st.named_parameters()]
+
+
+# -- measuring a real pipeline: when did each stage compute? -------------------------------------
+class _Mark(torch.autograd.Function):
+    """Identity; its backward records a timestamp (the start or the end of a stage's backward)."""
+
+    @staticmethod
+    def forward(ctx, x, log, tag):
+        ctx.log, ctx.tag = log, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+        ctx.log.append((ctx.tag, time.perf_counter()))
+        return g, None, None
+
+
+class TimedStage(nn.Module):
+    """Wraps a stage: logs (kind, mb, start, end) of every forward and backward with perf_counter
+    (CLOCK_MONOTONIC: comparable across processes of one machine) and the activations in flight."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage, self.events, self._marks, self._n, self.peak_in_flight = stage, [], [], 0, 0
+
+    def reset(self):
+        self.events, self._n, self.peak_in_flight = [], 0, 0
+        self._marks.clear()
+
+    def forward(self, x):
+        import time
+        mb, self._n = self._n, self._n + 1
+        if x.is_floating_point():
+            x = _Mark.apply(x, self._marks, ("B_end", mb))     # runs last in this stage's backward
+        t0 = time.perf_counter()
+        y = self.stage(x)
+        self.events.append(("F", mb, t0, time.perf_counter()))
+        # stored activations: forwards so far minus backwards started so far
+        started_b = sum(1 for (k, _), _t in self._marks if k == "B_start")
+        self.peak_in_flight = max(self.peak_in_flight, mb + 1 - started_b)
+        return _Mark.apply(y, self._marks, ("B_start", mb))   # runs first in this stage's backward
+
+    def finish(self) -> list[tuple]:
+        """Pair the backward marks into ("B", mb, start, end) events; call after the step."""
+        starts = {mb: t for (k, mb), t in self._marks if k == "B_start"}
+        ends = {mb: t for (k, mb), t in self._marks if k == "B_end"}
+        for mb, t0 in starts.items():
+            self.events.append(("B", mb, t0, ends.get(mb, t0)))
+        self._marks.clear()
+        return sorted(self.events, key=lambda e: e[2])
+
+
+def measured_timeline(events_per_rank: list[list[tuple]], m: int) -> Timeline:
+    """A Timeline from measured (kind, mb, start, end) events, t = 0 at the first start."""
+    t0 = min(e[2] for evs in events_per_rank for e in evs)
+    p = len(events_per_rank)
+    tl = Timeline(p=p, m=m, v=1, events=[[(s - t0, e - t0, k, mb, 0) for k, mb, s, e in evs]
+                                         for evs in events_per_rank])
+    tl.makespan = max(ev[1] for evs in tl.events for ev in evs)
+    tl.busy = [sum(ev[1] - ev[0] for ev in evs) for evs in tl.events]
+    return tl
