@@ -35,7 +35,14 @@ class GatherWatch(TorchDispatchMode):
         self.gathers = 0
 
     def _alive(self):
-        self._live = [e for e in self._live if e[0]() is not None]
+        """Buffers still holding memory: not garbage-collected and not resized to 0 (FSDP2 frees that way)."""
+        def holds(ref):
+            t = ref()
+            try:
+                return t is not None and t.untyped_storage().nbytes() > 0
+            except Exception:      # noqa: BLE001
+                return t is not None
+        self._live = [e for e in self._live if holds(e[0])]
         return self._live
 
     def _track(self, out: torch.Tensor):
