@@ -65,7 +65,7 @@ def draw_buffers(ax, buffers: list[list[int]], title: str = "", t: int | None = 
 def holdings_grid(rows: list[tuple[str, list, list]], t: int, suptitle: str = "", per_row: int = 2):
     """Panels (before, after) per collective, `per_row` collectives side by side; buffers as in draw_buffers."""
     n_rows = -(-len(rows) // per_row)
-    fig, axes = plt.subplots(n_rows, 2 * per_row, figsize=(3.3 * per_row * 2, 1.0 * t * n_rows + 0.9),
+    fig, axes = plt.subplots(n_rows, 2 * per_row, figsize=(2.6 * per_row * 2, 0.8 * t * n_rows + 0.9),
                              squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
