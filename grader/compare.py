@@ -139,6 +139,9 @@ def describe_error(tb: str, rank, res: dict | None = None) -> str:
             if m:
                 where = f"`{m.group(3)}` ({os.path.basename(m.group(1))} line {m.group(2)})"
         return f"rank {rank}: not implemented yet: {where} raises {last}"
+    if last.startswith("SystemExit"):
+        return (f"rank {rank}: your code called sys.exit() ({last}); a layer must return its result, "
+                "never end the process.")
     if last.startswith(("GradingError:", "grader.case.GradingError:")):
         return f"rank {rank}: " + last.split(":", 1)[1].strip()
     if is_comm_error(tb):

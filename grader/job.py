@@ -26,14 +26,15 @@ from grader.case import get_case
 from grader.compare import ItemVerdict, compare_item
 
 PG_TIMEOUT = 10.0          # a collective on tiny tensors that waits this long is a hang
+ITEM_TIMEOUT = 15          # one case on one rank (SIGALRM): Python-level loops and sleeps
 STARTUP = 30.0             # launcher, imports and rendezvous, with slack for a loaded 2-core box
 KILL_GRACE = 3.0
 EXECUTE_TIMEOUT = 900      # nbgrader per-cell limit; must exceed every job's wall clock + grace
 
 
 def job_wall_clock(n_items: int, pg_timeout: float = PG_TIMEOUT) -> float:
-    # every item may burn one pg timeout (a rank waiting for a peer that never comes)
-    return STARTUP + pg_timeout * (n_items + 1)
+    # every item may burn one item timeout (a rank looping, its peers waiting for it)
+    return STARTUP + max(pg_timeout, ITEM_TIMEOUT) * (n_items + 1)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Report:
     seconds: float
     run: object = None
     jobdir: str = ""
+    sandbox: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -168,11 +170,39 @@ def _desync_group(results: dict) -> str | None:
     return None
 
 
+def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
+    """A rank's results, or why they cannot be trusted."""
+    import hashlib
+    if not os.path.exists(path):
+        return {}, None
+    with open(path, "rb") as f:
+        data = f.read()
+    if run is not None and run.launcher == "fork":
+        want = run.declared.get(rank, "")
+        if want.split(" ")[-1] != hashlib.sha256(data).hexdigest():
+            return {}, (f"rank {rank}'s result file was written or changed by another process, not by rank {rank} "
+                        "itself: forged results are ignored.")
+    try:
+        import io
+        res = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception:
+        return {}, (f"rank {rank}'s result file is not a plain tensor file (the safe loader refused it): "
+                    "results are ignored.")
+    return (res if isinstance(res, dict) else {}), None
+
+
 def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None = None,
                launcher: str | None = None, pg_timeout: float = PG_TIMEOUT, stream=None,
-               wrap: tuple = (), keep: bool = False, fresh_seed: bool = True) -> Report:
-    """Run the named checks on the student's module `sources` ({filename: text}) and compare here."""
+               wrap: tuple = (), keep: bool = False, fresh_seed: bool = True,
+               sandbox: str | None = None) -> Report:
+    """Run the named checks on the student's module `sources` ({filename: text}) and compare here.
+
+    sandbox: "auto" (bubblewrap + limits where available), "on" (fail without it) or "off";
+    default: GRADER_SANDBOX, else "auto".
+    """
     from launch import run as launch_run
+    from grader.nbgrader_tools import ROOT
+    from grader.sandbox import Sandbox, course_paths_to_hide
     t0 = time.monotonic()
     items = plan_items(names, fresh_seed)
     world = max(it["t"] for it in items)
@@ -192,20 +222,20 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
                 refs[it["id"]] = case.reference(it["config"], {k: v.clone() for k, v in inputs[it["id"]].items()})
         torch.save(inputs, os.path.join(jobdir, "inputs.pt"))
         with open(os.path.join(jobdir, "spec.json"), "w") as f:
-            json.dump({"items": items, "pg_timeout": pg_timeout}, f)
-        run = launch_run("grader.rank", world, [jobdir], backend=backend, launcher=launcher,
-                         timeout=job_wall_clock(len(items), pg_timeout), kill_grace=KILL_GRACE,
-                         pg_timeout=pg_timeout, stream=stream, preload=("grader.rank",), wrap=wrap,
-                         env={"PYTHONPATH": _pythonpath()}, cwd=jobdir)
-        rank_results, progress = {}, {}
+            json.dump({"items": items, "pg_timeout": pg_timeout, "item_timeout": ITEM_TIMEOUT}, f)
+        box = Sandbox(jobdir, hide=course_paths_to_hide(ROOT),
+                      mode=sandbox or os.environ.get("GRADER_SANDBOX", "auto"))
+        with box:
+            run = launch_run("grader.rank", world, [jobdir], backend=backend, launcher=launcher,
+                             timeout=job_wall_clock(len(items), pg_timeout), kill_grace=KILL_GRACE,
+                             pg_timeout=pg_timeout, stream=stream, preload=("grader.rank",),
+                             wrap=tuple(box.prefix) + tuple(wrap), env={"PYTHONPATH": _pythonpath(), **box.env},
+                             cwd=jobdir)
+        rank_results, progress, untrusted = {}, {}, {}
         for r in range(world):
-            p = os.path.join(jobdir, f"rank{r}.pt")
-            try:
-                rank_results[r] = torch.load(p, weights_only=True) if os.path.exists(p) else {}
-                if not isinstance(rank_results[r], dict):
-                    rank_results[r] = {}
-            except Exception:  # a forged or malicious file: treat as no result
-                rank_results[r] = {}
+            rank_results[r], why = _load_rank_file(os.path.join(jobdir, f"rank{r}.pt"), r, run)
+            if why:
+                untrusted[r] = why
             try:
                 progress[r] = json.load(open(os.path.join(jobdir, f"rank{r}.progress")))
             except Exception:
@@ -220,7 +250,8 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
                 x = rank_results[r].get(it["id"])
                 res[r] = x if isinstance(x, dict) and isinstance(x.get("group"), list) and r in x["group"] else None
             finished = [r for r in part if res[r] is not None]
-            reasons = {r: _missing_reason(r, it, run, progress, finished) for r in part if res[r] is None}
+            reasons = {r: untrusted.get(r) or _missing_reason(r, it, run, progress, finished)
+                       for r in part if res[r] is None}
             v = compare_item(case, it, refs[it["id"]], res, reasons)
             d = _desync(res)
             if d and not v.passed:
@@ -228,7 +259,8 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
             cv = cases.setdefault(it["case"], CaseVerdict(it["case"], True))
             cv.items.append(v)
             cv.passed = cv.passed and v.passed
-        return Report(cases=cases, seconds=time.monotonic() - t0, run=run, jobdir=jobdir if keep else "")
+        return Report(cases=cases, seconds=time.monotonic() - t0, run=run, jobdir=jobdir if keep else "",
+                      sandbox=box.describe())
     finally:
         if not keep:
             shutil.rmtree(jobdir, ignore_errors=True)

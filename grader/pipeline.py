@@ -220,7 +220,7 @@ class Stage(nn.Module):
         self.lm_head = model.lm_head if last else None
 
     def forward(self, x):
-        if self.embed_tokens is not None:
+        if self.embed_tokens is not None and not x.is_floating_point():
             x = self.embed_tokens(x)                       # (B, T) ids -> (B, T, C)
         for layer in self.layers:
             x = layer(x)                                   # (B, T, C)
@@ -285,9 +285,10 @@ class TimedStage(nn.Module):
     def forward(self, x):
         import time
         mb, self._n = self._n, self._n + 1
-        if x.is_floating_point():
-            x = _Mark.apply(x, self._marks, ("B_end", mb))     # runs last in this stage's backward
         t0 = time.perf_counter()
+        if not x.is_floating_point() and getattr(self.stage, "embed_tokens", None) is not None:
+            x = self.stage.embed_tokens(x)                     # ids have no grad: mark after the embedding
+        x = _Mark.apply(x, self._marks, ("B_end", mb))         # runs last in this stage's backward
         y = self.stage(x)
         self.events.append(("F", mb, t0, time.perf_counter()))
         # stored activations: forwards so far minus backwards started so far

@@ -11,6 +11,7 @@ import datetime
 import importlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -18,7 +19,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from grader.case import RankContext, get_case
+from grader.case import GradingError, RankContext, get_case
 from grader.ledger import CommLedger
 
 
@@ -36,13 +37,27 @@ def user_traceback(exc: BaseException, student_dir: str) -> str:
     return "".join(te.format())
 
 
+_RESULT_FD: str | None = None   # read before any student code runs, so it cannot be swapped
+
+
 def _save(path: str, results: dict):
+    import hashlib
+    import io
+    buf = io.BytesIO()
+    torch.save(results, buf)
+    data = buf.getvalue()
     tmp = path + ".tmp"
-    torch.save(results, tmp)
+    with open(tmp, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
+    fd = _RESULT_FD
+    if fd:  # tell the launcher, over this rank's own pipe, what this rank wrote
+        os.write(int(fd), f"{os.path.basename(path)} {hashlib.sha256(data).hexdigest()}\n".encode())
 
 
 def main(jobdir: str) -> int:
+    global _RESULT_FD
+    _RESULT_FD = os.environ.pop("COURSE_RESULT_FD", None)
     spec = json.load(open(os.path.join(jobdir, "spec.json")))
     from launch.dist import init_process_group
     rank, world, device = init_process_group(timeout_s=spec["pg_timeout"])
@@ -89,6 +104,13 @@ def main(jobdir: str) -> int:
         with open(progress, "w") as f:
             json.dump({"item": item["id"], "phase": "import", "where": "importing your module"}, f)
         t0 = time.perf_counter()
+        item_timeout = int(spec.get("item_timeout", 15))
+
+        def too_slow(signum, frame, item_timeout=item_timeout, ledger=ledger):
+            raise GradingError(f"still running your code in {ledger.phase} after {item_timeout} s (not inside a "
+                               "collective): an endless loop, a sleep, or far too much work?")
+        signal.signal(signal.SIGALRM, too_slow)
+        signal.alarm(item_timeout)    # a Python-level hang; collectives have the process-group timeout
         try:
             if case.module not in modules:
                 modules[case.module] = importlib.import_module(case.module)
@@ -100,6 +122,8 @@ def main(jobdir: str) -> int:
                               for k, v in out.items()}
         except BaseException as exc:  # SystemExit from student code too: it must not skip the report
             res["error"] = user_traceback(exc, student_dir)
+        finally:
+            signal.alarm(0)
         res["seconds"] = time.perf_counter() - t0
         res["params"] = ctx.params
         res["ledger"] = ledger.entries

@@ -6,7 +6,9 @@ already imported torch makes a rank cost a fork. Each rank sees the same variabl
 torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), so `init_process_group()`
 with env:// rendezvous behaves the same. CPU/gloo only: CUDA does not survive fork.
 
-    python -m launch.forkrun --nproc 4 --status S.json (-m MODULE | SCRIPT) [ARGS...]
+    python -m launch.forkrun --nproc 4 (-m MODULE | SCRIPT) [ARGS...]
+
+The last line it prints, "@@status {json}", gives each rank's exit status.
 """
 import argparse
 import importlib
@@ -49,13 +51,31 @@ def print_user_traceback(exc: BaseException):
     print("".join(te.format()), end="", file=sys.stderr)
 
 
-def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd):
+def apply_rlimits():
+    """Limits the grader's sandbox asks for (COURSE_RLIMITS), set in each rank after fork."""
+    spec = os.environ.get("COURSE_RLIMITS")
+    if not spec:
+        return
+    import resource
+    for name, value in json.loads(spec).items():
+        which = getattr(resource, f"RLIMIT_{name}")
+        _, hard = resource.getrlimit(which)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(which, (value, value))
+
+
+def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd, result_fd):
+    apply_rlimits()
     os.dup2(write_fd, 1)
     os.dup2(write_fd, 2)
     os.close(write_fd)
     os.environ.update(torchrun_env(rank, nproc, port, run_id))
+    # a private channel to this launcher: what a rank declares here cannot come from another rank
+    os.environ["COURSE_RESULT_FD"] = str(result_fd)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+    import warnings  # the module was preloaded before fork on purpose; runpy need not say so
+    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package.*")
     code = 0
     try:
         if is_module:
@@ -81,7 +101,7 @@ def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.forkrun")
     p.add_argument("--nproc", type=int, required=True)
-    p.add_argument("--status", required=True, help="JSON file for per-rank exit codes")
+
     p.add_argument("--preload", default="", help="comma-separated modules to import before forking")
     p.add_argument("-m", dest="module", action="store_true", help="target is a module")
     p.add_argument("target")
@@ -100,18 +120,25 @@ def main(argv=None) -> int:
     port, run_id = free_port(), uuid.uuid4().hex[:8]
     sel = selectors.DefaultSelector()
     pids, bufs = {}, {}
+    declared: dict[int, bytes] = {}   # rank -> last "file sha256" line from its result channel
+    result_bufs: dict[int, tuple[int, bytes]] = {}
     for rank in range(a.nproc):
         r, w = os.pipe()
+        rr, rw = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(r)
-            for other in list(bufs):
+            os.close(rr)
+            for other in list(bufs) + list(result_bufs):
                 os.close(other)
-            _rank_main(rank, a.nproc, port, run_id, a.target, a.module, a.args, w)
+            _rank_main(rank, a.nproc, port, run_id, a.target, a.module, a.args, w, rw)
         os.close(w)
+        os.close(rw)
         pids[pid] = rank
         bufs[r] = (rank, b"")
+        result_bufs[rr] = (rank, b"")
         sel.register(r, selectors.EVENT_READ)
+        sel.register(rr, selectors.EVENT_READ)
 
     exitcodes, order = {}, []
 
@@ -126,9 +153,28 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (stop_all(signal.SIGKILL), os._exit(143)))
     out = sys.stdout.buffer
     kill_at, term_sent = None, False
-    while len(exitcodes) < a.nproc or sel.get_map():
+    drain_until = None
+    while True:
+        if len(exitcodes) == a.nproc:
+            # every rank is gone; a daemon a rank left behind may hold its pipe open forever
+            drain_until = drain_until or time.monotonic() + 0.3
+            if not sel.get_map() or time.monotonic() > drain_until:
+                break
         for key, _ in sel.select(timeout=0.05):
             fd = key.fd
+            if fd in result_bufs:
+                rank, buf = result_bufs[fd]
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    sel.unregister(fd)
+                    os.close(fd)
+                    continue
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines[-1:]:
+                    declared[rank] = line[:200]
+                result_bufs[fd] = (rank, buf)
+                continue
             rank, buf = bufs[fd]
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -162,11 +208,15 @@ def main(argv=None) -> int:
             # TERM first so ranks can flush; KILL whoever ignores it
             stop_all(signal.SIGTERM if not term_sent else signal.SIGKILL)
             term_sent, kill_at = True, time.monotonic() + 2.0
-        if len(exitcodes) == a.nproc and not sel.get_map():
-            break
+    for rank, line in sorted(declared.items()):
+        # unprefixed, so no rank can print one: every rank line above carries "[rank r]"
+        out.write(b"@@result %d " % rank + line + b"\n")
+    out.flush()
     first = next((r for r in order if exitcodes[r] != 0), None)
-    with open(a.status, "w") as f:
-        json.dump({"exitcodes": exitcodes, "order": order, "first_failure": first}, f)
+    # on stdout, not in a file: the status must not be writable by the ranks (the sandbox's /tmp is
+    # private and the job folder is theirs), and unprefixed lines can only come from this launcher
+    out.write(b"@@status " + json.dumps({"exitcodes": exitcodes, "order": order, "first_failure": first}).encode() + b"\n")
+    out.flush()
     return 0 if first is None else 1
 
 

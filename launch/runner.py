@@ -13,7 +13,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,6 +37,8 @@ class RunResult:
     first_failure: int | None = None
     leftovers_killed: int = 0
     command: list = field(default_factory=list)
+    declared: dict = field(default_factory=dict)   # rank -> "file sha256" it sent on its private channel
+    job_id: str = ""                               # COURSE_JOB_ID in every process of the job
 
     @property
     def ok(self) -> bool:
@@ -79,22 +80,41 @@ def rank_env(backend: str, pg_timeout: float | None = None) -> dict:
     return env
 
 
-def kill_job_processes(job_id: str) -> int:
-    """Kill every process whose environment carries COURSE_JOB_ID=job_id. Returns how many."""
+def job_processes(job_id: str) -> list[int]:
+    """Processes still alive whose environment carries COURSE_JOB_ID=job_id."""
     needle = f"COURSE_JOB_ID={job_id}".encode()
-    killed = 0
+    alive = []
     for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0") and _alive(int(pid)):
+                        alive.append(int(pid))
+            except OSError:
+                continue
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie is dead, only unreaped
+    except OSError:
+        return False
+
+
+def kill_job_processes(job_id: str) -> int:
+    """Kill every process whose environment carries COURSE_JOB_ID=job_id; wait until they are gone."""
+    pids = job_processes(job_id)
+    for pid in pids:
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            os.kill(int(pid), signal.SIGKILL)
-            killed += 1
-        except (OSError, ProcessLookupError):
-            continue
-    return killed
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return len(pids)
 
 
 def _killpg(pgid: int, sig: int):
@@ -122,11 +142,9 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
     full_env.update(rank_env(backend, pg_timeout))
     full_env["COURSE_JOB_ID"] = job_id
     full_env.update(env or {})
-    status_dir = tempfile.mkdtemp(prefix="launch-")
-    status_file = os.path.join(status_dir, "status.json")
     py = [sys.executable]
     if launcher == "fork":
-        cmd = [*wrap, *py, "-m", "launch.forkrun", "--nproc", str(nproc), "--status", status_file]
+        cmd = [*wrap, *py, "-m", "launch.forkrun", "--nproc", str(nproc)]
         if preload:
             cmd += ["--preload", ",".join(preload)]
     else:
@@ -147,9 +165,22 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
     sel.register(proc.stdout, selectors.EVENT_READ)
     max_bytes, seen_bytes, truncated = 2_000_000, 0, False
 
+    declared: dict[int, str] = {}
+    status: dict = {}
+
     def emit(raw: bytes):
         nonlocal seen_bytes, truncated
         line = raw.decode("utf-8", "replace")
+        if line.startswith("@@status "):
+            try:
+                status.update(json.loads(line[len("@@status "):]))
+            except ValueError:
+                pass
+            return
+        if line.startswith("@@result "):
+            _, r, rest = line.split(" ", 2)
+            declared[int(r)] = rest
+            return
         m = _TORCHRUN_PREFIX.match(line)
         if m:
             line = f"[rank {m.group(1)}] " + line[m.end():]
@@ -213,10 +244,9 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
 
     exitcodes: dict[int, int] = {}
     first = None
-    if launcher == "fork" and os.path.exists(status_file):
-        st = json.load(open(status_file))
-        exitcodes = {int(k): v for k, v in st["exitcodes"].items()}
-        first = st["first_failure"]
+    if launcher == "fork" and status:
+        exitcodes = {int(k): v for k, v in status["exitcodes"].items()}
+        first = status["first_failure"]
     elif launcher == "torchrun":
         exitcodes = {r: 0 for r in range(nproc)} if proc.returncode == 0 else {}
         text = "\n".join(lines)
@@ -224,12 +254,7 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
             exitcodes[int(m.group(1))] = int(m.group(2))
         rc = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", text, re.S)
         first = int(rc.group(1)) if rc else None
-    try:
-        os.remove(status_file)
-        os.rmdir(status_dir)
-    except OSError:
-        pass
     returncode = proc.returncode if not timed_out else 124
     return RunResult(returncode=returncode, exitcodes=exitcodes, output="\n".join(lines), timed_out=timed_out,
                      seconds=seconds, nproc=nproc, backend=backend, launcher=launcher, first_failure=first,
-                     leftovers_killed=leftovers, command=cmd)
+                     leftovers_killed=leftovers, command=cmd, declared=declared, job_id=job_id)

@@ -197,6 +197,12 @@ def lab_server():
         shutil.copy(os.path.join(ROOT, "labs", "week02", f), work)
     nbformat.write(build("week02", {"base": "solution"}), os.path.join(work, "solved.ipynb"))
     shutil.copy(os.path.join(ROOT, "labs", "week02", "tp_linear.ipynb"), os.path.join(work, "stub.ipynb"))
+    # JupyterLab 4 may virtualise a long notebook (cells far off screen are not in the page); render
+    # every cell so the test reads the grade cells' outputs as they are, wherever they are
+    settings = os.path.join(work, ".jupyter", "lab", "user-settings", "@jupyterlab", "notebook-extension")
+    os.makedirs(settings)
+    with open(os.path.join(settings, "tracker.jupyterlab-settings"), "w") as f:
+        json.dump({"windowingMode": "none"}, f)
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                JUPYTER_CONFIG_DIR=os.path.join(work, ".jupyter"), JUPYTER_RUNTIME_DIR=os.path.join(work, ".rt"),
@@ -242,16 +248,25 @@ def _run_all(browser, srv, name: str, until: str, timeout_s: float = 150) -> tup
     page.wait_for_selector(status, timeout=60000)
     page.click("li.lm-MenuBar-item:has-text('Run')")
     page.click("li.lm-Menu-item:has-text('Run All Cells')")
-    page.wait_for_function(
-        """([needle]) => [...document.querySelectorAll('.jp-OutputArea-output')].some(o => o.innerText.includes(needle))""",
-        arg=[until], timeout=timeout_s * 1000)
-    page.wait_for_selector(status, timeout=timeout_s * 1000)
-    page.wait_for_timeout(500)
+    from playwright.sync_api import TimeoutError as PwTimeout
+    timed_out = False
+    try:
+        page.wait_for_function(
+            """([needle]) => [...document.querySelectorAll('.jp-OutputArea-output')].some(o => o.innerText.includes(needle))""",
+            arg=[until], timeout=timeout_s * 1000)
+        page.wait_for_selector(status, timeout=timeout_s * 1000)
+        page.wait_for_timeout(500)
+    except PwTimeout:
+        timed_out = True
     cells = page.evaluate("""() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')].map(c => ({
         source: (c.querySelector('.jp-InputArea-editor') || {innerText: ''}).innerText,
         prompt: (c.querySelector('.jp-InputArea-prompt') || {innerText: ''}).innerText.trim(),
-        output: [...c.querySelectorAll('.jp-OutputArea-output')].map(o => o.innerText).join('\\n'),
-        error: c.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]').length}))""")
+        output: [...c.querySelectorAll('.jp-OutputArea-output')].map(o => o.innerText).join('\\n')}))""")
+    if timed_out:
+        page.screenshot(path=os.path.join(SHOTS, f"jupyterlab-{name[:-6]}-timeout.png"))
+        page.close()
+        dump = "\n".join(f"{c['prompt']} {c['source'][:50]!r} -> {c['output'][-300:]!r}" for c in cells)
+        pytest.fail(f"{name}: {until!r} never appeared in {timeout_s:.0f} s; cells:\n{dump}\nbrowser: {watch.errors}")
     os.makedirs(SHOTS, exist_ok=True)
     grade = page.locator(".jp-CodeCell", has_text='check("week02/').last
     grade.scroll_into_view_if_needed()

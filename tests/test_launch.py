@@ -42,7 +42,8 @@ def job_processes_alive(job_script) -> list[int]:
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                if job_script.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                if job_script.encode() in open(f"/proc/{pid}/cmdline", "rb").read() and \
+                        open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
                     alive.append(int(pid))
             except OSError:
                 pass
