@@ -340,7 +340,7 @@ for name, cfg, seed in [
 
 for name, cfg, seed in [
         ("fsdp_tp", {"kind": "fsdp_tp", "B": 2, "T": 8, "dp": 2, "steps": 2, "lr": 0.5, "model": {}}, 3),
-        ("fsdp_tp_hidden", {"kind": "fsdp_tp", "B": 1, "T": 6, "dp": 2, "steps": 3, "lr": 0.3,
+        ("fsdp_tp_hidden", {"kind": "fsdp_tp", "B": 1, "T": 6, "dp": 2, "steps": 2, "lr": 0.3,
                             "model": {"num_hidden_layers": 1}}, None)]:
     register(Case(name=f"week07/{name}", module=MODULE, world_sizes=(4,), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank=_run_fsdp_tp, expected=_expected, contract=_contract_2d,
