@@ -1,4 +1,4 @@
-"""python -m grader {check NOTEBOOK | demo | release [WEEK..] | execute-lectures [NB..]}"""
+"""python -m grader {check NOTEBOOK | demo | release [WEEK..] | execute-lectures [NB..] | autograde WEEK | bench}"""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +28,20 @@ def cmd_execute(a) -> int:
     return execute_lectures(a.notebooks or None)
 
 
+def cmd_autograde(a) -> int:
+    import time
+    from grader.parallel import autograde_parallel, summary
+    t0 = time.monotonic()
+    secs = autograde_parallel(os.path.abspath(a.course), a.week, jobs=a.jobs)
+    print(summary(secs, time.monotonic() - t0))
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from grader.bench import main
+    return main(n=a.n, jobs=a.jobs, repeats=a.repeats)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m grader", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -46,6 +60,16 @@ def main(argv=None) -> int:
     e = sub.add_parser("execute-lectures", help="execute lecture notebooks in place (CPU/gloo)")
     e.add_argument("notebooks", nargs="*")
     e.set_defaults(fn=cmd_execute)
+    g = sub.add_parser("autograde", help="nbgrader autograde WEEK for every submission, N students at a time")
+    g.add_argument("week")
+    g.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    g.add_argument("--course", default=".", help="the nbgrader course folder (default: here)")
+    g.set_defaults(fn=cmd_autograde)
+    b = sub.add_parser("bench", help="cold check, warm check and class-scale autograde timings")
+    b.add_argument("--n", type=int, default=20, help="submissions to autograde (0: skip)")
+    b.add_argument("--jobs", type=int, default=2)
+    b.add_argument("--repeats", type=int, default=3)
+    b.set_defaults(fn=cmd_bench)
     a = p.parse_args(argv)
     return a.fn(a)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import os
 import shutil
+import sys
 import time
 
 from grader.nbgrader_tools import autograde, nbgrader, scratch_course
@@ -42,7 +43,7 @@ def main(keep: str | None = None) -> int:
     print(f"released {WEEK} with nbgrader generate_assignment ({time.monotonic() - t0:.0f} s)", flush=True)
     subs = {student: submission(kind) for student, kind in CLASS}
     print(f"autograding {len(subs)} submissions (trusted checks run outside each student's kernel) ...", flush=True)
-    rows = autograde(course, WEEK, subs)
+    rows = autograde(course, WEEK, subs, jobs=2, out=sys.stdout)
     kinds = dict(CLASS)
     cells = sorted({c for r in rows for c in r["cells"]})
     print(f"\n{'student':<8} {'submission':<20} " + " ".join(f"{c:>13}" for c in cells) + f" {'score':>8}")

@@ -68,14 +68,16 @@ def gradebook_rows(course: str, week: str) -> list[dict]:
         return sorted(rows, key=lambda r: r["student"])
 
 
-def autograde(course: str, week: str, submissions: dict[str, dict], extra: list[str] = ()) -> list[dict]:
-    """Put each {student: notebook_json} under submitted/ and autograde them; returns gradebook rows."""
+def autograde(course: str, week: str, submissions: dict[str, dict], jobs: int = 2, out=None) -> list[dict]:
+    """Put each {student: notebook_json} under submitted/ and autograde them, `jobs` students at a time;
+    returns the gradebook rows."""
+    import io
+    from grader.parallel import autograde_parallel
     nb_name = [f for f in os.listdir(os.path.join(course, "labs", week)) if f.endswith(".ipynb")][0]
     for student, nb in submissions.items():
         d = os.path.join(course, "submitted", student, week)
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, nb_name), "w") as f:
             json.dump(nb, f, indent=1)
-        nbgrader(["db", "student", "add", student], course)
-    nbgrader(["autograde", week, "--force", *extra], course)
+    autograde_parallel(course, week, jobs=jobs, students=list(submissions), out=out or io.StringIO())
     return gradebook_rows(course, week)
