@@ -147,9 +147,9 @@ def describe_error(tb: str, rank, res: dict | None = None) -> str:
     if is_comm_error(tb):
         where = last_collective(res or {})
         kind = "timed out" if "timeout" in last.lower() or "timed out" in last.lower() else "lost its peers"
-        return (f"rank {rank} {kind} in {where}: {last[:200]}. A peer never joined this collective: "
+        return (f"rank {rank}: {kind} in {where}: {last[:200]}. A peer never joined this collective: "
                 "a rank skipped or added a collective, or crashed.")
-    return f"rank {rank} raised an exception:\n{tb.rstrip()}"
+    return f"rank {rank}: raised an exception:\n{tb.rstrip()}"
 
 
 _SHORT = {"forward": "fwd", "backward": "bwd"}
@@ -188,7 +188,7 @@ def compare_item(case: Case, item: dict, ref: dict, results: dict[int, dict | No
                 v.problems.append(describe_error(errors[job_rank], label, res))
             else:   # a peer of the failing rank: it only saw the fallout
                 culprits = ", ".join(str(results[j]["group"].index(j)) for j in sorted(own))
-                v.problems.append(f"rank {label} was left waiting in {last_collective(res)} because rank "
+                v.problems.append(f"rank {label}: left waiting in {last_collective(res)} because rank "
                                   f"{culprits} failed.")
             continue
         if contract is not None:   # sharding and communication first: they explain the numbers

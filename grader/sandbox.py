@@ -1,6 +1,7 @@
 """Run student ranks boxed in: bubblewrap namespaces, a pids cgroup, and per-rank rlimits.
 
 What a rank can do inside (checked by tests/test_sandbox.py and the bad-submission corpus):
+- run as `nobody` with no capabilities, in its own user namespace;
 - see the filesystem read-only, except its job folder; /tmp is an empty tmpfs;
 - not see solutions/, the nbgrader course (gradebook.db, submitted/, autograded/, source/);
 - reach no network but loopback (gloo on 127.0.0.1 still works);
@@ -16,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
@@ -27,7 +29,7 @@ class Limits:
     memory_bytes: int = 6 << 30      # address space per rank (torch's import alone maps ~2.2 GB)
     file_bytes: int = 64 << 20       # largest file a rank may write
     cpu_seconds: int = 600           # CPU time per rank
-    pids: int = 512                  # tasks (processes + threads) in the whole job
+    pids: int = 256                  # tasks (processes + threads) in the whole job
 
 
 def rlimits_env(limits: Limits) -> dict:
@@ -71,7 +73,9 @@ class Sandbox:
                 raise RuntimeError(msg)
             self.notes.append(msg)
             return self
-        args = [bwrap, "--die-with-parent", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+        # nobody, with no capabilities, in its own user namespace: not the instructor's privileges
+        args = [bwrap, "--die-with-parent", "--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL",
+                "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                 "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
                 "--bind", self.jobdir, self.jobdir]
         for path in self.hide:
@@ -101,7 +105,8 @@ class Sandbox:
 
     def __exit__(self, *exc):
         if self.cgroup:
-            for _ in range(50):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:   # a fork bomb's last children may still be forking
                 try:
                     pids = [int(p) for p in open(os.path.join(self.cgroup, "cgroup.procs")).read().split()]
                 except OSError:
@@ -113,6 +118,7 @@ class Sandbox:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+                time.sleep(0.05)
             try:
                 os.rmdir(self.cgroup)
             except OSError:

@@ -23,6 +23,9 @@ import time
 import uuid
 
 
+RANK_OUTPUT_CAP = 1 << 20   # bytes of output kept per rank; the rest is read and dropped
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -109,6 +112,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     import torch  # the whole point: paid once, shared by every rank via fork
+    import torch._dynamo  # noqa: F401  nn.Linear imports it lazily (~1 s): once here, not once per rank
     torch.set_num_threads(1)
     for name in filter(None, a.preload.split(",")):
         importlib.import_module(name)
@@ -120,6 +124,7 @@ def main(argv=None) -> int:
     port, run_id = free_port(), uuid.uuid4().hex[:8]
     sel = selectors.DefaultSelector()
     pids, bufs = {}, {}
+    printed: dict[int, int] = {}
     declared: dict[int, bytes] = {}   # rank -> last "file sha256" line from its result channel
     result_bufs: dict[int, tuple[int, bytes]] = {}
     for rank in range(a.nproc):
@@ -186,7 +191,13 @@ def main(argv=None) -> int:
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for line in lines:
-                out.write(b"[rank %d] " % rank + line + b"\n")
+                printed[rank] = printed.get(rank, 0) + len(line) + 1
+                if printed[rank] <= RANK_OUTPUT_CAP:
+                    out.write(b"[rank %d] " % rank + line + b"\n")
+                elif printed[rank] - len(line) - 1 <= RANK_OUTPUT_CAP:
+                    out.write(b"[rank %d] ... more output dropped (over %d bytes)\n" % (rank, RANK_OUTPUT_CAP))
+            if len(buf) > RANK_OUTPUT_CAP:   # one endless line
+                buf = buf[-RANK_OUTPUT_CAP:]
             bufs[fd] = (rank, buf)
             out.flush()
         while True:

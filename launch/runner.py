@@ -111,9 +111,19 @@ def kill_job_processes(job_id: str) -> int:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        more = job_processes(job_id)          # forked after our first sweep
+        if not alive and not more:
+            break
+        for pid in more:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pids = list(set(pids) | set(more))
+        time.sleep(0.05)
     return len(pids)
 
 
