@@ -14,14 +14,18 @@ from grader.nbgrader_plugin import run_trusted
 def _execute(path: str, backend: str | None, out: str | None) -> str | None:
     """Run the notebook with papermill (in-kernel checks deferred). Returns an error summary or None."""
     import papermill as pm
-    out = out or os.path.join(tempfile.mkdtemp(prefix="grader-check-"), os.path.basename(path))
+    import shutil
+    work = tempfile.mkdtemp(prefix="grader-check-")
+    out = out or os.path.join(work, os.path.basename(path))
+    # run in a scratch folder: the notebook's %%writefile cells must not write beside the original
+    path = shutil.copy(path, os.path.join(work, "input-" + os.path.basename(path)))
     params = {"BACKEND": backend} if backend else {}
     old = os.environ.get("GRADER_DEFER_CHECKS")
     os.environ["GRADER_DEFER_CHECKS"] = "1"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pm.execute_notebook(path, out, parameters=params, cwd=os.path.dirname(os.path.abspath(path)),
+            pm.execute_notebook(path, out, parameters=params, cwd=work,
                                 progress_bar=False, log_output=False, kernel_name="python3")
         return None
     except Exception as exc:  # papermill stops at the first error; the checks below still run

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import tempfile
 
+from grader.notebook import module_sources
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -36,7 +38,13 @@ def scratch_course(week_list: list[str] | None = None) -> str:
     course = tempfile.mkdtemp(prefix="tp-course-")
     shutil.copy(os.path.join(ROOT, "nbgrader_config.py"), course)
     for w in week_list or weeks():
-        shutil.copytree(os.path.join(ROOT, "solutions", w), os.path.join(course, "solutions", w))
+        src = os.path.join(ROOT, "solutions", w)
+        # modules a notebook's %%writefile cells left beside it hold solutions: never release them
+        written = set()
+        for nb in (f for f in os.listdir(src) if f.endswith(".ipynb")):
+            written |= set(module_sources(json.load(open(os.path.join(src, nb)))))
+        shutil.copytree(src, os.path.join(course, "solutions", w),
+                        ignore=lambda d, names: [n for n in names if n in written or n == ".ipynb_checkpoints"])
     return course
 
 

@@ -20,6 +20,7 @@ rank, world_size, device = init_process_group()
 """
 POSTAMBLE = """
 if dist.is_initialized():
+    dist.barrier()   # rank 0 hosts the store: it must not leave while a peer still needs it
     dist.destroy_process_group()
 """
 
