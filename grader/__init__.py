@@ -49,7 +49,7 @@ def check(*names: str, backend: str | None = None, launcher: str | None = None) 
         warnings.simplefilter("ignore")
         # your own kernel, your own code: no sandbox unless GRADER_SANDBOX asks for one
         report = run_checks(list(names), sources, backend=backend, launcher=launcher,
-                            sandbox=os.environ.get("GRADER_SANDBOX", "off"))
+                            sandbox=os.environ.get("GRADER_SANDBOX", "off"), interactive=True)
     if report.passed:
         print(report.table())
         return

@@ -194,7 +194,7 @@ def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
 def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None = None,
                launcher: str | None = None, pg_timeout: float = PG_TIMEOUT, stream=None,
                wrap: tuple = (), keep: bool = False, fresh_seed: bool = True,
-               sandbox: str | None = None) -> Report:
+               sandbox: str | None = None, interactive: bool = False) -> Report:
     """Run the named checks on the student's module `sources` ({filename: text}) and compare here.
 
     sandbox: "auto" (bubblewrap + limits where available), "on" (fail without it) or "off";
@@ -230,7 +230,7 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
                              timeout=job_wall_clock(len(items), pg_timeout), kill_grace=KILL_GRACE,
                              pg_timeout=pg_timeout, stream=stream, preload=("grader.rank",),
                              wrap=tuple(box.prefix) + tuple(wrap), env={"PYTHONPATH": _pythonpath(), **box.env},
-                             cwd=jobdir)
+                             cwd=jobdir, interactive=interactive)
         rank_results, progress, untrusted = {}, {}, {}
         for r in range(world):
             rank_results[r], why = _load_rank_file(os.path.join(jobdir, f"rank{r}.pt"), r, run)

@@ -1,7 +1,7 @@
 """Which backend and launcher a job uses.
 
 NCCL needs one GPU per rank; everything else runs on gloo/CPU with the same student code.
-Override with COURSE_BACKEND=gloo|nccl and COURSE_LAUNCHER=fork|torchrun.
+Override with COURSE_BACKEND=gloo|nccl and COURSE_LAUNCHER=warm|fork|torchrun.
 """
 import os
 
@@ -27,13 +27,16 @@ def pick_backend(nproc: int, requested: str | None = None) -> str:
     return choice
 
 
-def default_launcher(backend: str, requested: str | None = None) -> str:
-    """fork (one torch import for all ranks) on CPU; torchrun for NCCL, where forking CUDA is unsafe."""
-    choice = (requested or os.environ.get("COURSE_LAUNCHER") or "auto").lower()
-    if choice not in ("auto", "fork", "torchrun"):
-        raise ValueError(f"launcher {choice!r} is unknown: use 'fork', 'torchrun' or 'auto'")
+def default_launcher(backend: str, requested: str | None = None, interactive: bool = False) -> str:
+    """On CPU: warm (a resident process forks each job) for interactive use, else fork (one torch
+    import per job); torchrun for NCCL, where forking a CUDA process is unsafe."""
+    env = os.environ.get("COURSE_LAUNCHER")
+    choice = (env if env and (requested in (None, "auto")) else requested or "auto").lower()
+    if choice not in ("auto", "warm", "fork", "torchrun"):
+        raise ValueError(f"launcher {choice!r} is unknown: use 'warm', 'fork', 'torchrun' or 'auto'")
     if choice == "auto":
-        return "torchrun" if backend == "nccl" else "fork"
-    if choice == "fork" and backend == "nccl":
-        raise ValueError("the fork launcher cannot start NCCL ranks (CUDA does not survive fork): use launcher='torchrun'")
+        return "torchrun" if backend == "nccl" else ("warm" if interactive else "fork")
+    if choice in ("fork", "warm") and backend == "nccl":
+        raise ValueError(f"the {choice} launcher cannot start NCCL ranks (CUDA does not survive fork): "
+                         "use launcher='torchrun'")
     return choice

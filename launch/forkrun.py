@@ -116,9 +116,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     for name in filter(None, a.preload.split(",")):
         importlib.import_module(name)
-    if a.module is False and os.path.dirname(os.path.abspath(a.target)) not in sys.path:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(a.target)))
-    if a.module and "" not in sys.path:
+    return launch_ranks(a.nproc, a.target, a.module, a.args)
+
+
+def launch_ranks(nproc: int, target: str, is_module: bool, args: list[str]) -> int:
+    """Fork `nproc` ranks of `target` from this (torch-importing) process; relay their output."""
+    if is_module is False and os.path.dirname(os.path.abspath(target)) not in sys.path:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    if is_module and "" not in sys.path:
         sys.path.insert(0, "")
 
     port, run_id = free_port(), uuid.uuid4().hex[:8]
@@ -127,7 +132,7 @@ def main(argv=None) -> int:
     printed: dict[int, int] = {}
     declared: dict[int, bytes] = {}   # rank -> last "file sha256" line from its result channel
     result_bufs: dict[int, tuple[int, bytes]] = {}
-    for rank in range(a.nproc):
+    for rank in range(nproc):
         r, w = os.pipe()
         rr, rw = os.pipe()
         pid = os.fork()
@@ -136,7 +141,7 @@ def main(argv=None) -> int:
             os.close(rr)
             for other in list(bufs) + list(result_bufs):
                 os.close(other)
-            _rank_main(rank, a.nproc, port, run_id, a.target, a.module, a.args, w, rw)
+            _rank_main(rank, nproc, port, run_id, target, is_module, args, w, rw)
         os.close(w)
         os.close(rw)
         pids[pid] = rank
@@ -160,7 +165,7 @@ def main(argv=None) -> int:
     kill_at, term_sent = None, False
     drain_until = None
     while True:
-        if len(exitcodes) == a.nproc:
+        if len(exitcodes) == nproc:
             # every rank is gone; a daemon a rank left behind may hold its pipe open forever
             drain_until = drain_until or time.monotonic() + 0.3
             if not sel.get_map() or time.monotonic() > drain_until:

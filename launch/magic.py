@@ -61,7 +61,8 @@ def run_cell(line: str, cell: str, print_fn=print):
     pp = os.environ.get("PYTHONPATH", "")
     try:
         res = run(path, a.nproc, module=False, backend=a.backend, launcher=a.launcher, timeout=a.timeout,
-                  stream=print_fn, env={"PYTHONPATH": here + (os.pathsep + pp if pp else "")}, cwd=here)
+                  stream=print_fn, env={"PYTHONPATH": here + (os.pathsep + pp if pp else "")}, cwd=here,
+                  interactive=True)
     finally:
         os.unlink(path)
     if not res.ok:

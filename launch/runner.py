@@ -73,6 +73,39 @@ class RunResult:
             raise RuntimeError(self.root_cause())
 
 
+class _WarmJob:
+    """A job forked by the warm launcher, with the bits of Popen that run() uses."""
+
+    def __init__(self, req: dict):
+        from launch.zygote import start_job
+        r, w = os.pipe()
+        try:
+            self.pid = start_job(req, w)
+        finally:
+            os.close(w)
+        self.stdout = os.fdopen(r, "rb")
+        self.returncode = None
+
+    def poll(self):
+        try:
+            os.kill(self.pid, 0)
+            with open(f"/proc/{self.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    raise ProcessLookupError
+            return None
+        except (ProcessLookupError, OSError):
+            self.returncode = self.returncode if self.returncode is not None else 0
+            return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("<warm job>", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
 def rank_env(backend: str, pg_timeout: float | None = None) -> dict:
     env = {"COURSE_BACKEND": backend, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if pg_timeout is not None:
@@ -81,15 +114,21 @@ def rank_env(backend: str, pg_timeout: float | None = None) -> dict:
 
 
 def job_processes(job_id: str) -> list[int]:
-    """Processes still alive whose environment carries COURSE_JOB_ID=job_id."""
+    """Processes still alive that belong to the job: COURSE_JOB_ID=job_id in their environment, or
+    (warm launcher, whose processes are forks of a resident one) the job's mark as process name."""
     needle = f"COURSE_JOB_ID={job_id}".encode()
+    marker = "cj" + job_id[:13]
     alive = []
     for pid in os.listdir("/proc"):
         if pid.isdigit() and int(pid) != os.getpid():
             try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0") and _alive(int(pid)):
-                        alive.append(int(pid))
+                with open(f"/proc/{pid}/comm") as f:
+                    mine = f.read().strip() == marker
+                if not mine:
+                    with open(f"/proc/{pid}/environ", "rb") as f:
+                        mine = needle in f.read().split(b"\0")
+                if mine and _alive(int(pid)):
+                    alive.append(int(pid))
             except OSError:
                 continue
     return alive
@@ -138,7 +177,7 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
         backend: str | None = None, launcher: str | None = None, timeout: float = 120.0,
         kill_grace: float = 3.0, env: dict | None = None, cwd: str | None = None,
         stream: Callable[[str], None] | None = None, preload: Sequence[str] = (),
-        wrap: Sequence[str] = (), pg_timeout: float | None = None) -> RunResult:
+        wrap: Sequence[str] = (), pg_timeout: float | None = None, interactive: bool = False) -> RunResult:
     """Run `target` (a module with module=True, else a script path) on `nproc` local ranks.
 
     wrap: a command prefix (e.g. a sandbox) placed before the Python interpreter.
@@ -146,7 +185,7 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     backend = pick_backend(nproc, backend)
-    launcher = default_launcher(backend, launcher)
+    launcher = default_launcher(backend, launcher, interactive=interactive and not wrap)
     job_id = uuid.uuid4().hex
     full_env = dict(os.environ)
     full_env.update(rank_env(backend, pg_timeout))
@@ -163,8 +202,15 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
     cmd += (["-m", target] if module else [target]) + list(args)
 
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=full_env, cwd=cwd, start_new_session=True)
+    if launcher == "warm":
+        if wrap:
+            raise ValueError("the warm launcher cannot run inside a wrapper (sandbox): use launcher='fork'")
+        proc = _WarmJob({"nproc": nproc, "target": target, "module": module, "args": list(args), "env": full_env,
+                         "cwd": os.path.abspath(cwd or os.getcwd()), "preload": list(preload)})
+        cmd = ["<warm>", target, *args]
+    else:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=full_env, cwd=cwd, start_new_session=True)
     lines: list[str] = []
     timed_out = False
     deadline = t0 + timeout
@@ -254,7 +300,9 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
 
     exitcodes: dict[int, int] = {}
     first = None
-    if launcher == "fork" and status:
+    if launcher == "warm":
+        proc.returncode = 0 if status and status.get("first_failure") is None else 1
+    if launcher in ("fork", "warm") and status:
         exitcodes = {int(k): v for k, v in status["exitcodes"].items()}
         first = status["first_failure"]
     elif launcher == "torchrun":

@@ -53,6 +53,7 @@ def job_processes_alive(job_script) -> list[int]:
 def test_backend_and_launcher_choice():
     assert pick_backend(4, "gloo") == "gloo"
     assert default_launcher("gloo") == "fork"
+    assert default_launcher("gloo", interactive=True) == "warm"
     assert default_launcher("nccl") == "torchrun"
     with pytest.raises(ValueError, match="unknown"):
         pick_backend(2, "mpi")
@@ -63,7 +64,7 @@ def test_backend_and_launcher_choice():
             pick_backend(2, "nccl")
 
 
-@pytest.mark.parametrize("launcher", ["fork", "torchrun"])
+@pytest.mark.parametrize("launcher", ["warm", "fork", "torchrun"])
 def test_ranks_run_with_torchrun_environment(script, launcher):
     res = run(script, 3, module=False, launcher=launcher, timeout=60)
     assert res.ok, res.output
@@ -72,8 +73,9 @@ def test_ranks_run_with_torchrun_environment(script, launcher):
     assert sorted(res.exitcodes) == [0, 1, 2]
 
 
-def test_crash_names_the_root_cause_rank(script):
-    res = run(script, 3, ["crash"], module=False, timeout=60)
+@pytest.mark.parametrize("launcher", ["warm", "fork"])
+def test_crash_names_the_root_cause_rank(script, launcher):
+    res = run(script, 3, ["crash"], module=False, timeout=60, launcher=launcher)
     assert not res.ok and res.first_failure == 1
     cause = res.root_cause()
     assert cause.startswith("rank 1 failed first") and "ValueError: rank one is broken" in cause
@@ -81,15 +83,17 @@ def test_crash_names_the_root_cause_rank(script):
     assert not job_processes_alive(script)
 
 
-def test_hang_is_killed_at_the_wall_clock(script):
-    res = run(script, 2, ["hang"], module=False, timeout=8, kill_grace=1)
+@pytest.mark.parametrize("launcher", ["warm", "fork"])
+def test_hang_is_killed_at_the_wall_clock(script, launcher):
+    res = run(script, 2, ["hang"], module=False, timeout=8, kill_grace=1, launcher=launcher)
     assert res.timed_out and res.returncode == 124
     assert "wall clock" in res.root_cause()
     assert not job_processes_alive(script)
 
 
-def test_escaped_daemon_is_killed(script):
-    res = run(script, 2, ["daemon"], module=False, timeout=30)
+@pytest.mark.parametrize("launcher", ["warm", "fork"])
+def test_escaped_daemon_is_killed(script, launcher):
+    res = run(script, 2, ["daemon"], module=False, timeout=30, launcher=launcher)
     assert res.ok
     assert res.leftovers_killed >= 1
     assert not job_processes_alive(script)
@@ -105,3 +109,17 @@ def test_magic_streams_and_raises(tmp_path):
         run_cell("-n 2", "x = 1 / (rank - 1)", print_fn=lines.append)
     with pytest.raises(ValueError, match="unknown option"):
         run_cell("--bogus", "pass")
+
+
+def test_every_launcher_gives_the_same_verdict():
+    """warm, fork and torchrun run the same ranks: identical tensors, identical ledgers."""
+    from grader.job import run_checks
+    from grader.notebook import module_sources
+    from grader.submissions import build
+    src = module_sources(build("week02", {"base": "solution"}))
+    tables = {}
+    for launcher in ("warm", "fork", "torchrun"):
+        rep = run_checks(["week02/mlp"], src, launcher=launcher, sandbox="off", fresh_seed=False)
+        assert rep.passed, rep.cases["week02/mlp"].message()
+        tables[launcher] = [(it.t, it.max_err, it.comm) for it in rep.cases["week02/mlp"].items]
+    assert tables["warm"] == tables["fork"] == tables["torchrun"]
