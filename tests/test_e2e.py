@@ -240,9 +240,10 @@ def _run_all(browser, srv, name: str, until: str, timeout_s: float = 150) -> tup
     """Open NAME in JupyterLab, Run -> Run All Cells, wait until the outputs contain `until`."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     watch = Watch(page)
-    page.goto(f"{srv['url']}/lab/tree/{name}?token={srv['token']}")
+    # a workspace of its own, reset: JupyterLab does not reopen the previous test's notebook beside it
+    page.goto(f"{srv['url']}/lab/workspaces/e2e-{name[:-6]}/tree/{name}?reset&token={srv['token']}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60000)
-    status = ".jp-Notebook-ExecutionIndicator[data-status='idle']"
+    status = ".jp-Notebook-ExecutionIndicator[data-status='idle']:visible"
     page.wait_for_selector(status, timeout=60000)
     page.wait_for_timeout(1500)  # let the kernel settle (otherwise a second kernel may start)
     page.wait_for_selector(status, timeout=60000)
