@@ -89,6 +89,7 @@ class Case:
     hidden: bool = False
     title: str = ""
     hints: dict[str, str] = field(default_factory=dict)          # tensor name -> what a mismatch usually means
+    timeout: int | None = None                  # seconds one rank may spend in this case (default ITEM_TIMEOUT)
 
 
 _REGISTRY: dict[str, Case] = {}

@@ -56,7 +56,8 @@ def compare_tensor(name: str, got, want: torch.Tensor, atol: float, rank: int, h
         bad = (got != want)
         if bad.any():
             i = int(bad.flatten().nonzero()[0])
-            return f"{who} differs at {_where(i, got.shape)}: got {got.flatten()[i].item()}, expected {want.flatten()[i].item()}.", math.inf
+            return (f"{who} differs at {_where(i, got.shape)}: got {got.flatten()[i].item()}, "
+                    f"expected {want.flatten()[i].item()}.{tail}"), math.inf
         return None, 0.0
     finite = torch.isfinite(got)
     if not finite.all():

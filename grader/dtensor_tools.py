@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from grader.ledger import CommLedger, ring_bytes_sent
+from grader.ledger import CommLedger
 from grader.models import ModelConfig
 
 
@@ -71,56 +71,15 @@ def unsharded_linears(model: torch.nn.Module) -> list[str]:
     return out
 
 
-class DTensorCommLedger(CommLedger):
-    """CommLedger that also sees collectives issued *inside* DTensor ops (e.g. loss_parallel's all-reduces).
-
-    A dispatch mode runs before tensor subclasses; while its handler runs the mode is switched off, so
-    collectives that DTensor issues while handling an op would be invisible. Returning NotImplemented
-    for subclass arguments lets DTensor handle the op first; its inner collectives on plain local
-    tensors then come back through this mode (CommDebugMode does the same).
-    """
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):   # FakeTensor (sharding propagation) must go through
-            return NotImplemented
-        self._namespace = func.namespace
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-    def _entry(self, op: str, args) -> dict:
-        """Functional collectives (what DTensor issues) take (input, ..., group_size, group_name): count the
-        full tensor and use the op's own group size (a 2-D mesh mixes groups of different sizes)."""
-        entry = super()._entry(op, args)
-        if getattr(self, "_namespace", "") != "_c10d_functional" or not args or not isinstance(args[0], torch.Tensor):
-            return entry
-        n = args[0].numel() * args[0].element_size()
-        sizes = [a for a in args[1:] if isinstance(a, int) and not isinstance(a, bool)]
-        gs = sizes[0] if sizes and op in ("all_gather", "reduce_scatter") else self.group_size
-        if op == "all_gather":
-            n *= gs                                   # the input is this rank's shard
-        if op == "all_reduce" and len(args) > 2 and isinstance(args[2], str):
-            gs = _group_size(args[2], self.group_size)
-        entry["bytes"], entry["sent"], entry["group"] = int(n), float(ring_bytes_sent(op, n, gs)), gs
-        return entry
-
-
-def _group_size(group_name: str, default: int) -> int:
-    try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-        return _resolve_process_group(group_name).size()
-    except Exception:      # noqa: BLE001
-        return default
+# CommLedger itself now sees collectives issued inside DTensor ops and sizes functional collectives
+# by their own group; the name stays for the lectures that import it.
+DTensorCommLedger = CommLedger
 
 
 @contextmanager
 def see_dtensor_collectives(ledger: CommLedger):
-    """Make an active CommLedger DTensor-aware for the duration (the grader's ledger is already entered)."""
-    old = ledger.__class__
-    if old is CommLedger:
-        ledger.__class__ = DTensorCommLedger
-    try:
-        yield ledger
-    finally:
-        ledger.__class__ = old
+    """Kept for the cases that use it: every CommLedger is DTensor-aware now."""
+    yield ledger
 
 
 @contextmanager

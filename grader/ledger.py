@@ -50,6 +50,14 @@ def _nbytes(obj) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(obj))
 
 
+def _group_size(group_name: str, default: int) -> int:
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return _resolve_process_group(group_name).size()
+    except Exception:
+        return default
+
+
 def ring_bytes_sent(op: str, full_bytes: int, t: int) -> float:
     """Bytes one rank sends for `op` on a ring of t ranks (full_bytes = the full tensor)."""
     if t <= 1:
@@ -93,11 +101,17 @@ class CommLedger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # A mode runs before tensor subclasses and is off while its handler runs, so collectives a
+        # DTensor op issues (loss_parallel's all-reduces, redistributions) would go unseen. Let
+        # DTensor handle the op first; its collectives on local tensors come back through here
+        # (CommDebugMode does the same). FakeTensor, used for sharding propagation, goes through.
+        if any(t.__name__ == "DTensor" for t in types):
+            return NotImplemented
         ns = func.namespace
         if ns in ("c10d", "_c10d_functional"):
             name = _OPS.get(func._opname)
             if name is not None and name != "barrier":
-                entry = self._entry(name, args)
+                entry = self._entry(name, args, functional=ns == "_c10d_functional")
                 self._progress("inside", entry)
                 out = func(*args, **kwargs)
                 self.entries.append(entry)
@@ -105,9 +119,22 @@ class CommLedger(TorchDispatchMode):
                 return out
         return func(*args, **kwargs)
 
-    def _entry(self, op: str, args) -> dict:
+    def _entry(self, op: str, args, functional: bool = False) -> dict:
         tensors = list(_tensors(args))
-        if op == "all_gather":       # (output, input, ...): count the gathered size
+        t = self.group_size
+        if functional and args and isinstance(args[0], torch.Tensor):
+            # functional ops: (input, [reduce_op,] group_size, group_name); the group is the op's own
+            # (a 2-D mesh mixes groups of different sizes)
+            full = _nbytes(args[0])
+            sizes = [a for a in args[1:] if isinstance(a, int) and not isinstance(a, bool)]
+            names = [a for a in args[1:] if isinstance(a, str)]
+            if sizes:
+                t = sizes[0]
+            elif names:
+                t = _group_size(names[-1], t)
+            if op == "all_gather":
+                full *= t                 # the input is this rank's shard
+        elif op == "all_gather":      # (output, input, ...): count the gathered size
             full = _nbytes(args[0])
         elif op == "reduce_scatter":  # (output, input, ...): count the input size
             full = _nbytes(args[1]) if len(args) > 1 else _nbytes(args[0])
@@ -117,7 +144,7 @@ class CommLedger(TorchDispatchMode):
         shape = list(tensors[0].shape) if tensors else []
         index = sum(1 for e in self.entries if e["op"] == op) + 1
         return {"phase": self.phase, "op": op, "index": index, "bytes": int(full), "dtype": dtype, "shape": shape,
-                "sent": float(ring_bytes_sent(op, full, self.group_size))}
+                "sent": float(ring_bytes_sent(op, full, t)), "group": t}
 
     # summaries -------------------------------------------------------------
     def counts(self, phase: str | None = None) -> dict[str, int]:

@@ -1,9 +1,9 @@
 """Rank entry of a grading job: `python -m grader.rank JOBDIR` on every rank.
 
-Each item of the job (a case at one tensor-parallel size t) gets its own process
-group, made up front by every rank in the same order, and the student gets that group. A student bug that leaves one
-rank waiting in item k then times out inside item k's group and cannot be matched
-by a collective of item k+1.
+Each item of the job is a case at one tensor-parallel size t; the student gets a process
+group of t ranks (sub-groups when t is smaller than the job). Between items all ranks meet on
+the harness's control group; after an item in which any rank failed, that size's groups are
+made anew, so a rank left waiting in item k cannot be matched by a collective of item k+1.
 """
 from __future__ import annotations
 
@@ -66,33 +66,58 @@ def main(jobdir: str) -> int:
     inputs_all = torch.load(os.path.join(jobdir, "inputs.pt"), weights_only=True)
     timeout = datetime.timedelta(seconds=spec["pg_timeout"])
 
-    # between items every rank meets here, so a rank that failed fast waits for peers still timing out
-    # in the failed item: skew never carries into the next item. Only the wall clock bounds it.
+    # the harness's own group: between items, outside any student code (bounded by the wall clock only)
     control = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=spec.get("control_timeout", 3600)))
-    # groups for every item, created by all ranks in the same order before any student code runs
-    plans = []
-    for item in spec["items"]:
-        t = item["t"]
+    # One set of groups per tensor-parallel size t, reused by every item of that size, and made
+    # anew (by all ranks, in the same order) after an item in which any rank failed: a collective
+    # that timed out leaves its gloo group unusable, and a late peer must not be matched by the
+    # next item's collectives.
+    def make_groups(t: int):
         mine = None
         for start in range(0, world - world % t, t):
             ranks = list(range(start, start + t))
-            # a group of its own even at t == world: a failure in one item cannot desync the next
             g = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine = (g, ranks)
-        plans.append(mine)
+        return mine
+
+    groups: dict[int, tuple | None] = {}
+    for item in spec["items"]:
+        if item["t"] not in groups:
+            groups[item["t"]] = make_groups(item["t"])
 
     out_path = os.path.join(jobdir, f"rank{rank}.pt")
     progress = os.path.join(jobdir, f"rank{rank}.progress")
     results: dict = {}
     sys.path.insert(0, student_dir)
     modules: dict = {}
-    for n, (item, plan) in enumerate(zip(spec["items"], plans)):
+    # the student's modules are imported once, before any item's clock starts (a slow import on a
+    # loaded machine is not a hang); an import error becomes every dependent item's error
+    for name in dict.fromkeys(get_case(it["case"]).module for it in spec["items"]):
+        with open(progress, "w") as f:
+            json.dump({"item": None, "phase": "import", "where": f"importing {name}"}, f)
+        try:
+            modules[name] = importlib.import_module(name)
+        except BaseException as exc:   # noqa: BLE001  (SystemExit at import is the student's too)
+            modules[name] = exc
+    failed_last = False
+    for n, item in enumerate(spec["items"]):
         if n:
+            # every rank meets here, so a rank that failed fast waits for peers still timing out
+            # in the failed item, and all learn whether the last item's groups must be replaced
+            flag = torch.tensor([1.0 if failed_last else 0.0])
             try:
-                dist.barrier(group=control)
+                dist.all_reduce(flag, group=control)
             except Exception:  # a peer process died: go on, its items will say so
                 pass
+            if flag.item() > 0:
+                last_t = spec["items"][n - 1]["t"]
+                try:
+                    groups[last_t] = make_groups(last_t)
+                except Exception:  # a peer is gone for good: its items will say so
+                    groups[last_t] = None
+        failed_last = False
+        plan = groups[item["t"]]
         if plan is None:      # this rank sits the item out (e.g. t=3 on a 4-rank job)
             continue
         group, ranks = plan
@@ -104,7 +129,7 @@ def main(jobdir: str) -> int:
         with open(progress, "w") as f:
             json.dump({"item": item["id"], "phase": "import", "where": "importing your module"}, f)
         t0 = time.perf_counter()
-        item_timeout = int(spec.get("item_timeout", 15))
+        item_timeout = int(item.get("timeout", spec.get("item_timeout", 15)))
 
         def too_slow(signum, frame, item_timeout=item_timeout, ledger=ledger):
             raise GradingError(f"still running your code in {ledger.phase} after {item_timeout} s (not inside a "
@@ -112,8 +137,8 @@ def main(jobdir: str) -> int:
         signal.signal(signal.SIGALRM, too_slow)
         signal.alarm(item_timeout)    # a Python-level hang; collectives have the process-group timeout
         try:
-            if case.module not in modules:
-                modules[case.module] = importlib.import_module(case.module)
+            if isinstance(modules.get(case.module), BaseException):
+                raise modules[case.module]
             inputs = {k: v.to(device) for k, v in inputs_all[item["id"]].items()}
             ledger.progress_file = progress
             with ledger:
@@ -122,6 +147,7 @@ def main(jobdir: str) -> int:
                               for k, v in out.items()}
         except BaseException as exc:  # SystemExit from student code too: it must not skip the report
             res["error"] = user_traceback(exc, student_dir)
+            failed_last = True
         finally:
             signal.alarm(0)
         res["seconds"] = time.perf_counter() - t0

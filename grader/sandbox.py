@@ -29,7 +29,7 @@ class Limits:
     memory_bytes: int = 6 << 30      # address space per rank (torch's import alone maps ~2.2 GB)
     file_bytes: int = 64 << 20       # largest file a rank may write
     cpu_seconds: int = 600           # CPU time per rank
-    pids: int = 256                  # tasks (processes + threads) in the whole job
+    pids: int = 1024                 # tasks (processes + threads) in the whole job: gloo groups are threads
 
 
 def rlimits_env(limits: Limits) -> dict:
