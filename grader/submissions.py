@@ -7,7 +7,8 @@ A fixture folder `tests/fixtures/weekNN/` holds module files and `manifest.json`
        "bias_every_rank": {
          "why": "row-parallel adds the bias on every rank",
          "base": "solution",                         # or "stub" (default): the rest of the notebook
-         "module": {"tp_linear.py": "bias_every_rank.py"},   # whole-module replacement
+         "module": {"tp_linear.py": "bias_every_rank.py"},   # whole-module replacement, or
+         "patch": {"tp_linear.py": [["old text", "new text"]]},  # edits of the solution's module
          "append_cell": "def check(*a, **k): print('ok')",    # a cell added after the setup cell
          "edit_grade": {"check_row": "print('all good')"},     # a locked grade cell edited
          "delete_grade": ["check_mlp"],                        # a grade cell deleted
@@ -66,12 +67,28 @@ def replace_modules(nb, files: dict[str, str]):
         raise ValueError(f"no %%writefile cell for {sorted(missing)} in the notebook")
 
 
+def solution_modules(week: str) -> dict[str, str]:
+    """The solution's modules as a student would write them: without nbgrader's markers."""
+    sol, _ = lab_notebooks(week)
+    return {k: re.sub(r"[ \t]*### (BEGIN|END) SOLUTION\n", "", v) for k, v in module_sources(sol).items()}
+
+
 def build(week: str, spec: dict):
-    sol, rel = lab_notebooks(week)
+    _, rel = lab_notebooks(week)
     nb = copy.deepcopy(rel)
     if spec.get("base", "stub") == "solution":
-        replace_modules(nb, {k: re.sub(r"[ \t]*### (BEGIN|END) SOLUTION\n", "", v)
-                             for k, v in module_sources(sol).items()})
+        replace_modules(nb, solution_modules(week))
+    if "patch" in spec:
+        files = solution_modules(week)
+        for target, edits in spec["patch"].items():
+            text = files[target]
+            for old, new in edits:
+                if text.count(old) != 1:
+                    raise ValueError(f"{week} fixture patch for {target}: {old[:60]!r} occurs {text.count(old)} "
+                                     "times in the solution's module (it must occur once): update the manifest")
+                text = text.replace(old, new)
+            files[target] = text
+        replace_modules(nb, {k: files[k] for k in spec["patch"]})
     if "module" in spec:
         files = {}
         for target, fname in spec["module"].items():
