@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     for p in problems[:40]:
         print("  broken: " + p)
     print(f"book: built {os.path.relpath(out)}/index.html in {time.monotonic() - t0:.1f} s "
-          f"({'offline: no network namespace' if offline else 'network not isolated (no unshare)'}; "
+          f"({'offline: built under unshare --net' if offline else 'network not isolated (no unshare)'}; "
           f"{len(warns)} warning(s), {len(problems)} broken local link(s), {len(pending)} to pages not written yet; log {os.path.relpath(log_path)})")
     return 1 if problems else 0
 
