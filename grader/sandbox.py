@@ -49,6 +49,15 @@ def course_paths_to_hide(root: str, cwd: str | None = None) -> list[str]:
     return [p for p in out if os.path.exists(p)]
 
 
+def needed_paths() -> list[str]:
+    """The course packages, the virtual environment and the Python it was made from."""
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = {root, sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    # keep only outermost paths: binding a folder and then one inside it again is pointless
+    return sorted(p for p in paths if not any(p != q and p.startswith(q + os.sep) for q in paths))
+
+
 @dataclass
 class Sandbox:
     jobdir: str
@@ -76,8 +85,12 @@ class Sandbox:
         # nobody, with no capabilities, in its own user namespace: not the instructor's privileges
         args = [bwrap, "--die-with-parent", "--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL",
                 "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-                "--bind", self.jobdir, self.jobdir]
+                "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        # what the ranks run from must stay visible even when it lives under /tmp (a CI clone, a venv)
+        for path in needed_paths():
+            if path == "/tmp" or path.startswith("/tmp/"):
+                args += ["--ro-bind", path, path]
+        args += ["--bind", self.jobdir, self.jobdir]
         for path in self.hide:
             if os.path.isdir(path):
                 args += ["--tmpfs", path]
