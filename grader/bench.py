@@ -1,7 +1,8 @@
 """`python -m grader bench`: the grader's speed, measured on this machine.
 
 - cold check: one Week 2 check on 4 ranks started with torchrun (a fresh interpreter per rank);
-- warm check: the same check with the fork launcher (torch imported once, ranks forked);
+- fork check: the same with the fork launcher (torch imported once per job, ranks forked), as grading runs;
+- warm check: the same with the warm launcher (a resident process forks each job), as a notebook runs;
 - class-scale autograde: N submissions (solutions, stubs and broken ones), graded in parallel.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ def time_check(launcher: str, repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
         t0 = time.monotonic()
-        rep = run_checks(CHECK, src, launcher=launcher, sandbox="off")
+        rep = run_checks(CHECK, src, launcher=launcher, sandbox="off", interactive=launcher == "warm")
         out.append(time.monotonic() - t0)
         assert rep.passed, rep.cases[CHECK[0]].message()
     return out
@@ -59,9 +60,12 @@ def main(n: int = 20, jobs: int = 2, repeats: int = 3) -> int:
     cold = time_check("torchrun", repeats)
     print(f"cold check, torchrun, 4 ranks: median {statistics.median(cold):.1f} s  (runs: "
           + ", ".join(f"{s:.1f}" for s in cold) + ")", flush=True)
-    warm = time_check("fork", repeats)
-    print(f"warm check, fork launcher, 4 ranks: median {statistics.median(warm):.1f} s  (runs: "
-          + ", ".join(f"{s:.1f}" for s in warm) + ")", flush=True)
+    fork = time_check("fork", repeats)
+    print(f"fork check, fork launcher, 4 ranks: median {statistics.median(fork):.1f} s  (runs: "
+          + ", ".join(f"{s:.1f}" for s in fork) + ")", flush=True)
+    first, *warm = time_check("warm", repeats + 1)
+    print(f"warm check, warm launcher, 4 ranks: median {statistics.median(warm):.2f} s  (runs: "
+          + ", ".join(f"{s:.2f}" for s in warm) + f"; the first call, which starts it: {first:.1f} s)", flush=True)
     if n:
         print(f"autograde of {n} Week 2 submissions ...", flush=True)
         print(class_autograde(n, jobs), flush=True)
