@@ -30,7 +30,7 @@ def cmd_execute(a) -> int:
 
 def cmd_autograde(a) -> int:
     import time
-    from grader.parallel import autograde_parallel, summary
+    from grader.class_autograde import autograde_parallel, summary
     t0 = time.monotonic()
     secs = autograde_parallel(os.path.abspath(a.course), a.week, jobs=a.jobs)
     print(summary(secs, time.monotonic() - t0))

@@ -19,7 +19,7 @@ CHECK = ["week02/column_parallel"]
 
 def _sources() -> dict[str, str]:
     from grader.notebook import module_sources
-    from grader.submissions import build
+    from tests.corpus import build
     return module_sources(build("week02", {"base": "solution"}))
 
 
@@ -37,7 +37,7 @@ def time_check(launcher: str, repeats: int) -> list[float]:
 def class_autograde(n: int, jobs: int) -> str:
     from grader.demo import CLASS, submission
     from grader.nbgrader_tools import nbgrader, scratch_course
-    from grader.parallel import autograde_parallel, summary
+    from grader.class_autograde import autograde_parallel, summary
     import json
     course = scratch_course(["week02"])
     try:

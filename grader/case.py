@@ -1,13 +1,16 @@
 """A check is declarative: a `Case` says what to build, what each rank runs, what it must match.
 
-Everything that decides a grade lives here, in the grader package, never in an
-assignment folder (nbgrader copies those to students and back).
+Everything that decides a grade lives here and in `grader/cases/`, never in an assignment
+folder (nbgrader copies those to students and back). A case runs in the trusted process; what
+each rank runs is named by `run_rank` and lives in `grader/rank/<week>.py`, the only part of the
+grader a grading rank can see.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -28,51 +31,6 @@ class Contract:
     why: dict[str, str] = field(default_factory=dict)  # phase -> the reason the count is what it is
 
 
-class GradingError(Exception):
-    """Raised by the harness on a rank when the student's result cannot even be used (e.g. an
-    output of the wrong shape cannot be backpropagated); its message is the whole verdict."""
-
-
-@dataclass
-class RankContext:
-    rank: int                 # rank inside the case's group
-    world_size: int           # the case's tensor-parallel size t
-    group: Any                # process group to hand the student (None = the default group)
-    device: torch.device
-    ledger: Any
-    params: dict = field(default_factory=dict)
-
-    def phase(self, name: str):
-        self.ledger.set_phase(name)
-
-    def record_params(self, module: torch.nn.Module, prefix: str = ""):
-        for n, p in module.named_parameters():
-            self.params[prefix + n] = list(p.shape)
-
-    @staticmethod
-    def backward(y, dy, name: str = "y"):
-        """y.backward(dy), after checking that the student's output can take dy at all."""
-        if not isinstance(y, torch.Tensor):
-            raise GradingError(f"`{name}` is a {type(y).__name__}, not a tensor: forward must return a tensor.")
-        if tuple(y.shape) != tuple(dy.shape):
-            raise GradingError(f"`{name}` has shape {tuple(y.shape)}; expected {tuple(dy.shape)} "
-                               "(so backward could not run).")
-        if not y.requires_grad:
-            raise GradingError(f"`{name}` does not require grad: the autograd graph was cut "
-                               "(.detach(), torch.no_grad() or .data in forward?).")
-        y.backward(dy)
-
-    @staticmethod
-    def grad(module, name: str = "weight"):
-        """module.<name>.grad, or None when the student's module has no such parameter (the
-        contract's parameter check then says so, instead of the harness crashing)."""
-        p = getattr(module, name, None)
-        return getattr(p, "grad", None) if isinstance(p, torch.Tensor) else None
-
-    def shard(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return t.chunk(self.world_size, dim=dim)[self.rank].contiguous()
-
-
 @dataclass
 class Case:
     name: str                                   # "week02/column_parallel"
@@ -81,7 +39,7 @@ class Case:
     config: dict
     make_inputs: Callable[[dict, torch.Generator], dict]          # trusted process: full tensors
     reference: Callable[[dict, dict], dict]                       # trusted process: dense results
-    run_rank: Callable[[Any, dict, dict, RankContext], dict]      # on each rank, beside student code
+    run_rank: str                               # function in grader/rank/<week>.py: (module, cfg, inputs, ctx) -> tensors
     expected: Callable[[dict, dict, int, int], dict]              # (cfg, ref, rank, t) -> that rank's tensors
     contract: Callable[[dict, int], Contract] | None = None
     atol: float = 1e-3
@@ -93,7 +51,6 @@ class Case:
 
 
 _REGISTRY: dict[str, Case] = {}
-WEEKS = ("week02",)
 
 
 def register(case: Case) -> Case:
@@ -105,10 +62,8 @@ def register(case: Case) -> Case:
 
 def get_case(name: str) -> Case:
     week = name.split("/")[0]
-    try:
-        importlib.import_module(f"grader.cases.{week}")
-    except ModuleNotFoundError:
-        pass
+    if importlib.util.find_spec(f"grader.cases.{week}") is not None:
+        importlib.import_module(f"grader.cases.{week}")   # a broken case module raises here, not "no check"
     if name not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY)) or "none"
         raise KeyError(f"no check named {name!r}. Known checks: {known}")

@@ -13,7 +13,7 @@ import sys
 import time
 
 from grader.nbgrader_tools import autograde, nbgrader, scratch_course
-from grader.submissions import build, load_manifest
+from tests.corpus import build, load_manifest
 
 WEEK = "week02"
 CLASS = [  # student id, submission (fixture name, or solution/stub)

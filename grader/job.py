@@ -3,8 +3,9 @@
     JOBDIR/spec.json      items (case, t, seed, config), timeouts
     JOBDIR/inputs.pt      full inputs per item, made here from the seed
     JOBDIR/student/*.py   the student's modules (a snapshot: the kernel or the notebook JSON)
-    JOBDIR/rank{r}.pt     written by each rank: tensors, ledger, parameter shapes, errors
-    JOBDIR/rank{r}.progress  where each rank is (which item, which collective)
+    JOBDIR/out/rank{r}.pt     written by each rank: tensors, ledger, parameter shapes, errors
+    JOBDIR/out/rank{r}.progress  where each rank is (which item, which collective)
+Inside the sandbox JOBDIR is read-only and out/ is the only folder a rank can write.
 
 Timeouts nest: process group (PG_TIMEOUT) < job wall clock < + KILL_GRACE < nbgrader Execute.timeout.
 """
@@ -106,7 +107,8 @@ def plan_items(names: list[str], fresh_seed: bool = True) -> list[dict]:
         case = get_case(name)
         seed = case.seed if case.seed is not None else (secrets.randbits(31) if fresh_seed else 12345)
         for t in case.world_sizes:
-            items.append({"id": f"{name}@t{t}", "case": name, "t": t, "seed": seed, "config": case.config,
+            items.append({"id": f"{name}@t{t}", "case": name, "module": case.module, "run_rank": case.run_rank,
+                          "t": t, "seed": seed, "config": case.config,
                           "timeout": case.timeout or ITEM_TIMEOUT})
     return items
 
@@ -180,7 +182,7 @@ def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
         return {}, None
     with open(path, "rb") as f:
         data = f.read()
-    if run is not None and run.launcher == "fork":
+    if run is not None:     # every launcher relays what each rank declared it wrote
         want = run.declared.get(rank, "")
         if want.split(" ")[-1] != hashlib.sha256(data).hexdigest():
             return {}, (f"rank {rank}'s result file was written or changed by another process, not by rank {rank} "
@@ -203,15 +205,19 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
     sandbox: "auto" (bubblewrap + limits where available), "on" (fail without it) or "off";
     default: GRADER_SANDBOX, else "auto".
     """
-    from launch import run as launch_run
-    from grader.nbgrader_tools import ROOT
-    from grader.sandbox import Sandbox, course_paths_to_hide
+    from launch import default_launcher, pick_backend, run as launch_run
+    from grader.sandbox import ROOT, Sandbox, give_to
     t0 = time.monotonic()
     items = plan_items(names, fresh_seed)
     world = max(it["t"] for it in items)
+    mode = sandbox or os.environ.get("GRADER_SANDBOX", "auto")
+    backend = pick_backend(world, backend)
+    launcher = default_launcher(backend, launcher, interactive=interactive and mode == "off")
     jobdir = tempfile.mkdtemp(prefix="grader-job-")
+    outdir = os.path.join(jobdir, "out")          # the only folder the ranks may write
     try:
         os.makedirs(os.path.join(jobdir, "student"))
+        os.makedirs(outdir)
         for fname, text in sources.items():
             with open(os.path.join(jobdir, "student", os.path.basename(fname)), "w") as f:
                 f.write(text)
@@ -226,22 +232,23 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
         torch.save(inputs, os.path.join(jobdir, "inputs.pt"))
         with open(os.path.join(jobdir, "spec.json"), "w") as f:
             json.dump({"items": items, "pg_timeout": pg_timeout, "item_timeout": ITEM_TIMEOUT}, f)
-        box = Sandbox(jobdir, hide=course_paths_to_hide(ROOT),
-                      mode=sandbox or os.environ.get("GRADER_SANDBOX", "auto"))
+        box = Sandbox(readable=[jobdir], writable=[outdir], chdir=outdir, setpriv=launcher == "torchrun",
+                      mode=mode)
         with box:
-            run = launch_run("grader.rank", world, [jobdir], backend=backend, launcher=launcher,
+            give_to(jobdir, box.uid)       # read-only inside the box; the unprivileged uid must still enter it
+            run = launch_run("grader.rank.entry", world, [jobdir], backend=backend, launcher=launcher,
                              timeout=job_wall_clock(len(items), pg_timeout, max(it["timeout"] for it in items)),
                              kill_grace=KILL_GRACE,
-                             pg_timeout=pg_timeout, stream=stream, preload=("grader.rank",),
-                             wrap=tuple(box.prefix) + tuple(wrap), env={"PYTHONPATH": _pythonpath(), **box.env},
-                             cwd=jobdir, interactive=interactive)
+                             pg_timeout=pg_timeout, stream=stream, preload=("grader.rank.entry",),
+                             wrap=tuple(box.prefix) + tuple(wrap), base_env=box.base_env(os.environ),
+                             env={"PYTHONPATH": _pythonpath(ROOT), **box.env}, cwd=outdir, interactive=interactive)
         rank_results, progress, untrusted = {}, {}, {}
         for r in range(world):
-            rank_results[r], why = _load_rank_file(os.path.join(jobdir, f"rank{r}.pt"), r, run)
+            rank_results[r], why = _load_rank_file(os.path.join(outdir, f"rank{r}.pt"), r, run)
             if why:
                 untrusted[r] = why
             try:
-                progress[r] = json.load(open(os.path.join(jobdir, f"rank{r}.progress")))
+                progress[r] = json.load(open(os.path.join(outdir, f"rank{r}.progress")))
             except Exception:
                 progress[r] = {}
         cases: dict[str, CaseVerdict] = {}
@@ -273,7 +280,6 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
             shutil.rmtree(jobdir, ignore_errors=True)
 
 
-def _pythonpath() -> str:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def _pythonpath(root: str) -> str:
     old = os.environ.get("PYTHONPATH", "")
-    return here + (os.pathsep + old if old else "")
+    return root + (os.pathsep + old if old else "")

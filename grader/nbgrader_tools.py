@@ -80,7 +80,7 @@ def autograde(course: str, week: str, submissions: dict[str, dict], jobs: int = 
     """Put each {student: notebook_json} under submitted/ and autograde them, `jobs` students at a time;
     returns the gradebook rows."""
     import io
-    from grader.parallel import autograde_parallel
+    from grader.class_autograde import autograde_parallel
     nb_name = [f for f in os.listdir(os.path.join(course, "labs", week)) if f.endswith(".ipynb")][0]
     for student, nb in submissions.items():
         d = os.path.join(course, "submitted", student, week)

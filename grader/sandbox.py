@@ -1,15 +1,22 @@
-"""Run student ranks boxed in: bubblewrap namespaces, a pids cgroup, and per-rank rlimits.
+"""Boxes for student code: grading ranks and the autograded notebook's kernel see an allowlist, nothing else.
 
-What a rank can do inside (checked by tests/test_sandbox.py and the bad-submission corpus):
-- run as `nobody` with no capabilities, in its own user namespace;
-- see the filesystem read-only, except its job folder; /tmp is an empty tmpfs;
-- not see solutions/, the nbgrader course (gradebook.db, submitted/, autograded/, source/);
-- reach no network but loopback (gloo on 127.0.0.1 still works);
-- not outlive the job: the sandbox has its own PID namespace, so killing bubblewrap (its pid 1)
-  kills every process a rank started, daemons included;
-- not fork-bomb the machine (pids cgroup), hog memory (RLIMIT_AS per rank), fill the disk
+A box is a bubblewrap command prefix (`Sandbox.prefix`). What runs inside:
+- sees only what is bound: the system's programs and libraries (/usr, /etc, ...), the Python
+  runtime and its packages, the parts of the course the view names (a grading rank: `launch/`,
+  `tpkit/`, `grader/__init__.py`, `grader/rank/`; a kernel: `launch/`, `tpkit/`), and its own
+  folders. No home directory, no `notebooks/`, `solutions/`, `reference/` or cases, no `.git`,
+  no gradebook, no other student's job; /tmp is an empty tmpfs;
+- writes only its writable folders (a job's `out/`, a kernel's scratch copy);
+- runs as a real unprivileged user (uid 65534) when the grader runs as root: file access outside
+  the box is checked against that uid, not the instructor's (the ranks drop to it right after fork,
+  the kernel and torchrun through `setpriv`). Run as another user, it keeps that user's identity
+  and sees only the allowlist;
+- reaches no network but its own loopback (a new network namespace), has its own PID, IPC and UTS
+  namespaces, dies with its parent, gets a clean environment (an allowlist of variables);
+- cannot fork-bomb the machine (pids cgroup), hog memory (RLIMIT_AS per rank), fill the disk
   (RLIMIT_FSIZE) or spin forever on CPU (RLIMIT_CPU; the job wall clock comes first anyway).
-Where a tool is missing the sandbox degrades and says so in `notes`; GRADER_SANDBOX=off disables it.
+Where a tool is missing the box degrades and says so in `notes`; GRADER_SANDBOX=on makes that an
+error, GRADER_SANDBOX=off disables the box (your own kernel, your own code).
 """
 from __future__ import annotations
 
@@ -17,11 +24,21 @@ import json
 import os
 import shutil
 import signal
+import site
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
 PIDS_ROOT = "/sys/fs/cgroup/pids"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOBODY = 65534
+# what a grading rank imports of the course; a kernel gets the teaching library and the launcher only
+RANK_VIEW = ("launch", "tpkit", "grader/__init__.py", "grader/rank")
+KERNEL_VIEW = ("launch", "tpkit")
+SYSTEM = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt/conda")
+ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+            "MPLBACKEND", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "GRADER_DEFER_CHECKS", "CUDA_VISIBLE_DEVICES")
 
 
 @dataclass
@@ -38,67 +55,150 @@ def rlimits_env(limits: Limits) -> dict:
                                           "CPU": limits.cpu_seconds})}
 
 
-def course_paths_to_hide(root: str, cwd: str | None = None) -> list[str]:
-    """Folders and files a student rank must not read: solutions, and the nbgrader course it runs in."""
-    out = [os.path.join(root, "solutions")]
-    cwd = cwd or os.getcwd()
-    for name in ("solutions", "source", "submitted", "autograded", "feedback", "gradebook.db", "release"):
-        p = os.path.join(cwd, name)
-        if os.path.exists(p) and p not in out:
-            out.append(p)
-    return [p for p in out if os.path.exists(p)]
+def python_paths() -> list[str]:
+    """The interpreter, its standard library and every site-packages folder this process uses."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable),
+             os.path.dirname(os.path.realpath(sys.executable)), *site.getsitepackages()}
+    return sorted(p for p in paths if p and os.path.exists(p))
 
 
-def needed_paths() -> list[str]:
-    """The course packages, the virtual environment and the Python it was made from."""
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    paths = {root, sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    # keep only outermost paths: binding a folder and then one inside it again is pointless
-    return sorted(p for p in paths if not any(p != q and p.startswith(q + os.sep) for q in paths))
+def _outermost(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Drop a bind whose destination lies inside another's (binding a folder twice is pointless)."""
+    dests = {d for _, d in pairs}
+    return [(s, d) for s, d in pairs if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in dests)]
+
+
+def view_binds(course: tuple[str, ...], root: str = ROOT) -> list[tuple[str, str]]:
+    """(source, destination) read-only binds: Python and the named parts of the course.
+
+    Sources are real paths (a venv reached through a symlink into /tmp must not vanish under the box's
+    own /tmp); each is also bound at the path this process knows it by, so sys.executable still works.
+    """
+    pairs = []
+    for p in python_paths() + [os.path.join(root, c) for c in course]:
+        real = os.path.realpath(p)
+        if os.path.exists(real):
+            pairs += [(real, real)] + ([(real, p)] if os.path.abspath(p) != real else [])
+    return _outermost(sorted(set(pairs), key=lambda sd: (sd[1].count("/"), sd[1])))
+
+
+def _ancestors(path: str) -> list[str]:
+    """'/a/b/c' -> ['/a', '/a/b', '/a/b/c']."""
+    parts = [p for p in path.split("/") if p]
+    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def unprivileged_uid() -> int | None:
+    """The uid student code runs as: nobody when we are root, else None (keep our own identity)."""
+    return NOBODY if os.geteuid() == 0 else None
+
+
+def give_to(path: str, uid: int | None):
+    """Let the box's user write `path` (a folder made by the trusted process)."""
+    if uid is not None:
+        os.chown(path, uid, uid)
+
+
+def clean_env(env: dict, extra: dict | None = None) -> dict:
+    """The variables student code may see: an allowlist (no tokens, no instructor paths), plus `extra`."""
+    out = {k: v for k, v in env.items() if k in ENV_KEEP or k.startswith(("COURSE_", "JPY_"))}
+    out.update(extra or {})
+    return out
 
 
 @dataclass
 class Sandbox:
-    jobdir: str
-    hide: list[str] = field(default_factory=list)
+    """A box around one grading job (view=RANK_VIEW) or one kernel (view=KERNEL_VIEW).
+
+    writable: folders the box may write (bound read-write, owned by the box's uid).
+    readable: extra files or folders bound read-only at their own paths (the job's inputs).
+    setpriv: drop to the unprivileged uid with setpriv inside the box (kernels, torchrun); grading ranks
+    started by the fork launcher drop themselves after fork instead (COURSE_RANK_UID), so the launcher
+    that relays their results stays out of their reach.
+    """
+    writable: list[str] = field(default_factory=list)
+    readable: list[str] = field(default_factory=list)
+    view: tuple[str, ...] = RANK_VIEW
+    chdir: str | None = None
+    setpriv: bool = False
     limits: Limits = field(default_factory=Limits)
     mode: str = field(default_factory=lambda: os.environ.get("GRADER_SANDBOX", "auto"))
     prefix: list[str] = field(default_factory=list)
     env: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     cgroup: str | None = None
+    uid: int | None = None
 
     def __enter__(self) -> "Sandbox":
+        if self.mode not in ("auto", "on", "off"):
+            raise ValueError(f"GRADER_SANDBOX={self.mode!r} is unknown: use auto, on or off")
         if self.mode == "off":
-            self.notes.append("sandbox off (GRADER_SANDBOX=off): student ranks run with your privileges")
+            self.notes.append("sandbox off (GRADER_SANDBOX=off): student code runs with your privileges")
             return self
         self.env.update(rlimits_env(self.limits))
-        self._cgroup()
         bwrap = shutil.which("bwrap")
         if bwrap is None:
-            msg = "bubblewrap (bwrap) is not installed: ranks are not isolated (apt-get install bubblewrap)"
-            if self.mode == "on":
-                raise RuntimeError(msg)
-            self.notes.append(msg)
-            return self
-        # nobody, with no capabilities, in its own user namespace: not the instructor's privileges
-        args = [bwrap, "--die-with-parent", "--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL",
-                "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-        # what the ranks run from must stay visible even when it lives under /tmp (a CI clone, a venv)
-        for path in needed_paths():
-            if path == "/tmp" or path.startswith("/tmp/"):
+            return self._missing("bubblewrap (bwrap) is not installed: student code is not isolated "
+                                 "(apt-get install bubblewrap)")
+        self.uid = unprivileged_uid()
+        drop = []
+        if self.uid is not None:
+            for path in self.writable:
+                give_to(path, self.uid)
+            if self.setpriv:
+                setpriv = shutil.which("setpriv")
+                if setpriv is None:
+                    return self._missing("setpriv (util-linux) is not installed: cannot drop to an "
+                                         "unprivileged user inside the box")
+                drop = [setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
+                        "--inh-caps=-all", "--bounding-set=-all"]
+            else:
+                self.env["COURSE_RANK_UID"] = str(self.uid)
+        self._cgroup()
+        args = [bwrap, "--die-with-parent", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                "--new-session"]
+        if os.geteuid() != 0:
+            args += ["--unshare-user"]          # an unprivileged bubblewrap needs its own user namespace
+        for path in SYSTEM:
+            if os.path.islink(path):
+                args += ["--symlink", os.readlink(path), path]
+            elif os.path.isdir(path):
                 args += ["--ro-bind", path, path]
-        args += ["--bind", self.jobdir, self.jobdir]
-        for path in self.hide:
-            if os.path.isdir(path):
-                args += ["--tmpfs", path]
-            elif os.path.exists(path):
-                args += ["--ro-bind", "/dev/null", path]
-        args += ["--chdir", self.jobdir, "--"]
-        self.prefix = self.prefix + args
+        args += ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp"]
+        for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"):
+            if os.path.exists(d):               # NCCL ranks need their GPUs
+                args += ["--dev-bind", d, d]
+        binds = view_binds(self.view)
+        # bubblewrap makes missing parent folders mode 0700 when run as root: the unprivileged uid could
+        # not walk through them, so make every parent of a bind first, world-traversable
+        parents = sorted({os.path.dirname(d) for d in [dest for _, dest in binds] + self.readable + self.writable})
+        for parent in parents:
+            steps = [p for p in _ancestors(parent) if not p.startswith(("/tmp/", "/usr/", "/etc/")) and p != "/tmp"]
+            for step in steps:
+                if step not in args:
+                    args += ["--perms", "0755", "--dir", step]
+        for src, dest in binds:
+            args += ["--ro-bind", src, dest]
+        for path in self.readable:
+            args += ["--ro-bind", path, path]
+        for path in self.writable:
+            args += ["--bind", path, path]
+        if self.chdir:
+            args += ["--chdir", self.chdir]
+        self.prefix = self.prefix + args + ["--"] + drop
         return self
+
+    def _missing(self, msg: str) -> "Sandbox":
+        if self.mode == "on":
+            raise RuntimeError(msg)
+        self.notes.append(msg)
+        return self
+
+    def base_env(self, env: dict) -> dict:
+        """What boxed code starts from: an allowlist of `env` (no tokens, no instructor paths) plus the box's own."""
+        if not self.prefix:
+            return dict(env)
+        return clean_env(env, {**self.env, "HOME": self.chdir or "/tmp"})
 
     def _cgroup(self):
         if not os.access(PIDS_ROOT, os.W_OK):
@@ -139,4 +239,5 @@ class Sandbox:
         return False
 
     def describe(self) -> dict:
-        return {"prefix": self.prefix, "limits": asdict(self.limits), "notes": self.notes, "cgroup": self.cgroup}
+        return {"prefix": self.prefix, "limits": asdict(self.limits), "notes": self.notes, "cgroup": self.cgroup,
+                "uid": self.uid}

@@ -67,8 +67,22 @@ def apply_rlimits():
         resource.setrlimit(which, (value, value))
 
 
+def drop_privileges():
+    """Become the unprivileged user the grader's sandbox names (COURSE_RANK_UID), for good, before any
+    student code runs: file access is then checked against that uid, and this launcher (which relays the
+    ranks' declarations) stays out of the ranks' reach."""
+    uid = os.environ.pop("COURSE_RANK_UID", None)
+    if uid is None:
+        return
+    uid = int(uid)
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+
+
 def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd, result_fd):
     apply_rlimits()
+    drop_privileges()
     os.dup2(write_fd, 1)
     os.dup2(write_fd, 2)
     os.close(write_fd)

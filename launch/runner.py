@@ -177,17 +177,19 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
         backend: str | None = None, launcher: str | None = None, timeout: float = 120.0,
         kill_grace: float = 3.0, env: dict | None = None, cwd: str | None = None,
         stream: Callable[[str], None] | None = None, preload: Sequence[str] = (),
-        wrap: Sequence[str] = (), pg_timeout: float | None = None, interactive: bool = False) -> RunResult:
+        wrap: Sequence[str] = (), pg_timeout: float | None = None, interactive: bool = False,
+        base_env: dict | None = None) -> RunResult:
     """Run `target` (a module with module=True, else a script path) on `nproc` local ranks.
 
     wrap: a command prefix (e.g. a sandbox) placed before the Python interpreter.
+    base_env: the environment the ranks start from (default: this process's); `env` is added on top.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     backend = pick_backend(nproc, backend)
     launcher = default_launcher(backend, launcher, interactive=interactive and not wrap)
     job_id = uuid.uuid4().hex
-    full_env = dict(os.environ)
+    full_env = dict(os.environ if base_env is None else base_env)
     full_env.update(rank_env(backend, pg_timeout))
     full_env["COURSE_JOB_ID"] = job_id
     full_env.update(env or {})
@@ -240,6 +242,11 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
         m = _TORCHRUN_PREFIX.match(line)
         if m:
             line = f"[rank {m.group(1)}] " + line[m.end():]
+            body = line.split("] ", 1)[1] if "] " in line else ""
+            if launcher == "torchrun" and body.startswith("@@result "):
+                # torchrun has no private channel per rank: a rank declares on its own (prefixed) stdout
+                declared[int(m.group(1))] = body[len("@@result "):].strip()
+                return
         seen_bytes += len(raw)
         if seen_bytes > max_bytes:  # a rank printing without end must not fill memory
             if not truncated:

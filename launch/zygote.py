@@ -13,7 +13,6 @@ The zygote exits with its parent, when the code it preloaded changes, or after a
 """
 from __future__ import annotations
 
-import array
 import hashlib
 import json
 import os
@@ -29,7 +28,7 @@ IDLE_EXIT_S = 3600
 def code_fingerprint() -> str:
     """Changes when any course module changes, so a zygote never serves stale grader code."""
     h = hashlib.sha256()
-    for pkg in ("launch", "grader"):
+    for pkg in ("launch", "grader", "tpkit"):
         for dirpath, _, files in sorted(os.walk(os.path.join(PKG_ROOT, pkg))):
             for f in sorted(files):
                 if f.endswith(".py"):
@@ -131,7 +130,7 @@ def _request(path: str, req: dict, fd: int | None = None, timeout: float = 5.0) 
         return json.loads(c.recv(65536).decode())
 
 
-def ensure_zygote(preload: tuple[str, ...] = ("grader.rank",), start_timeout: float = 60.0) -> str:
+def ensure_zygote(preload: tuple[str, ...] = (), start_timeout: float = 60.0) -> str:
     """The socket of this process's zygote, started (or restarted on a code change) as needed."""
     import subprocess
     path = socket_path()
@@ -161,7 +160,7 @@ def ensure_zygote(preload: tuple[str, ...] = ("grader.rank",), start_timeout: fl
 
 def start_job(req: dict, out_fd: int) -> int:
     """Ask the zygote to fork a job writing to out_fd; returns the job leader's pid (its process group)."""
-    path = ensure_zygote(tuple(req.pop("preload", ()) or ("grader.rank",)))
+    path = ensure_zygote(tuple(req.pop("preload", ())))
     return int(_request(path, req, out_fd, timeout=30.0)["pid"])
 
 

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from grader.nbgrader_tools import autograde, nbgrader, scratch_course, weeks
-from grader.submissions import FIXTURES, build, load_manifest
+from tests.corpus import FIXTURES, build, load_manifest
 import os
 
 WEEKS = weeks()

@@ -1,5 +1,4 @@
 """grader units: the ledger, the comparison messages, notebook parsing, and check() wiring."""
-import math
 
 import pytest
 import torch
@@ -7,7 +6,7 @@ import torch
 from grader.case import Contract
 from grader.compare import check_contract, compare_tensor, describe_error, is_comm_error
 from grader.job import EXECUTE_TIMEOUT, KILL_GRACE, PG_TIMEOUT, job_wall_clock
-from grader.ledger import CommLedger, ring_bytes_sent
+from tpkit.ledger import CommLedger, ring_bytes_sent
 from grader.notebook import check_names, grade_cells, module_sources
 
 
@@ -111,7 +110,7 @@ def test_notebook_parsing():
 
 
 def test_check_in_kernel_is_deferred_and_validates(monkeypatch, capsys):
-    from grader import check
+    from tpkit import check
     with pytest.raises(ValueError, match="name the check"):
         check()
     monkeypatch.setenv("GRADER_DEFER_CHECKS", "1")

@@ -11,8 +11,7 @@ import pytest
 from grader.nbgrader_plugin import run_trusted
 from launch.runner import job_processes
 from grader.nbgrader_tools import ROOT, weeks
-from grader.notebook import grade_cells
-from grader.submissions import FIXTURES, build, load_manifest
+from tests.corpus import FIXTURES, build, load_manifest
 
 WEEKS = weeks()
 FIXTURE_CASES = [(w, name) for w in WEEKS if os.path.exists(os.path.join(FIXTURES, w, "manifest.json"))

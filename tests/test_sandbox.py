@@ -1,4 +1,4 @@
-"""The sandbox around student ranks: who they run as, what they see, what they can write."""
+"""The box around student ranks: who they run as, what they see, what they can write and reach."""
 import os
 import shutil
 import tempfile
@@ -6,8 +6,7 @@ import textwrap
 
 import pytest
 
-from grader.nbgrader_tools import ROOT
-from grader.sandbox import Limits, Sandbox, course_paths_to_hide
+from grader.sandbox import ROOT, RANK_VIEW, Limits, Sandbox, give_to, python_paths
 from launch import run
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -18,44 +17,94 @@ PROBE = textwrap.dedent("""
     from launch.dist import init_process_group
     rank, world, _ = init_process_group()
     t = torch.ones(1); dist.all_reduce(t)          # gloo over loopback still works
-    facts = {"uid": os.getuid(), "allreduce": int(t.item()), "nets": sorted(l.split(":")[0].strip() for l in open("/proc/net/dev").read().splitlines()[2:]),
-             "solutions": sorted(os.listdir(SOLUTIONS)) if os.path.isdir(SOLUTIONS) else None,
-             "as_limit": resource.getrlimit(resource.RLIMIT_AS)[0]}
-    for path in (os.path.join(REPO, "escape.txt"), "/root/escape.txt"):
+    def seen(p):
+        try:
+            return sorted(os.listdir(p)) if os.path.isdir(p) else open(p).read()[:20]
+        except OSError as e:
+            return type(e).__name__
+    facts = {"uid": os.getuid(), "allreduce": int(t.item()),
+             "nets": sorted(l.split(":")[0].strip() for l in open("/proc/net/dev").read().splitlines()[2:]),
+             "as_limit": resource.getrlimit(resource.RLIMIT_AS)[0], "secret_env": os.environ.get("COURSE_TEST_SECRET_TOKEN"),
+             "home_token": os.environ.get("GH_TOKEN")}
+    for p in SEEN:
+        facts["seen " + p] = seen(p)
+    for path in (os.path.join(REPO, "escape.txt"), os.path.join(JOB, "escape.txt"), "/root/escape.txt"):
         try:
             open(path, "w").write("x")
             facts["wrote " + path] = True
         except OSError:
             facts["wrote " + path] = False
-    open("inside-job.txt", "w").write("ok")
+    open("inside-out.txt", "w").write("ok")
+    open("/tmp/scratch.txt", "w").write("ok")      # a private /tmp is writable
     if rank == 0:
         print("FACTS", facts)
 """)
 
 
-def test_ranks_are_boxed():
+@pytest.fixture()
+def planted():
+    """A private file in the grading user's home, as an instructor's token would be."""
+    home = os.path.expanduser("~")
+    path = os.path.join(home, f".grader-test-secret-{os.getpid()}")
+    with open(path, "w") as f:
+        f.write("instructor secret")
+    os.chmod(path, 0o600)
+    yield path
+    os.unlink(path)
+
+
+def test_ranks_see_only_the_allowlist(planted, monkeypatch):
+    monkeypatch.setenv("GH_TOKEN", "not for students")
     jobdir = tempfile.mkdtemp(prefix="grader-job-")
+    out = os.path.join(jobdir, "out")
+    os.makedirs(out)
     try:
+        hidden = [planted, os.path.join(ROOT, "solutions"), os.path.join(ROOT, "notebooks"),
+                  os.path.join(ROOT, "reference"), os.path.join(ROOT, "grader", "cases"),
+                  os.path.join(ROOT, "grader", "job.py"), os.path.join(ROOT, ".git"), "/home"]
+        seen = hidden + [os.path.dirname(planted)]
         script = os.path.join(jobdir, "probe.py")
         with open(script, "w") as f:
-            f.write(f"SOLUTIONS = {os.path.join(ROOT, 'solutions')!r}\nREPO = {ROOT!r}\n" + PROBE)
-        with Sandbox(jobdir, hide=course_paths_to_hide(ROOT), mode="on", limits=Limits()) as box:
-            res = run(script, 2, module=False, wrap=box.prefix, env={**box.env, "PYTHONPATH": ROOT},
-                      cwd=jobdir, timeout=120)
+            f.write(f"SEEN = {seen!r}\nREPO = {ROOT!r}\nJOB = {jobdir!r}\n" + PROBE)
+        with Sandbox(readable=[jobdir], writable=[out], chdir=out, mode="on", limits=Limits()) as box:
+            give_to(jobdir, box.uid)
+            res = run(script, 2, module=False, wrap=box.prefix, base_env=box.base_env(os.environ),
+                      env={**box.env, "PYTHONPATH": ROOT}, cwd=out, timeout=120)
         assert res.ok, res.output
         facts = eval(res.rank_output(0).split("FACTS ", 1)[1].splitlines()[0])  # our own printed dict
-        assert facts["uid"] == 65534                       # nobody, not the instructor
+        if os.geteuid() == 0:
+            assert facts["uid"] == 65534                   # a real unprivileged uid, not root in disguise
         assert facts["allreduce"] == 2
         assert facts["nets"] == ["lo"]                     # no network but loopback
-        assert facts["solutions"] == []                    # solutions/ is an empty tmpfs
         assert facts["as_limit"] == Limits().memory_bytes
+        assert facts["home_token"] is None                 # a clean environment
+        for p in hidden:
+            assert facts["seen " + p] == "FileNotFoundError", (p, facts["seen " + p])
+        # the home folder holds at most the way to the Python runtime (e.g. ~/.pyenv), never its files
+        home = facts["seen " + os.path.dirname(planted)]
+        runtime = [p for p in python_paths() if p.startswith(os.path.dirname(planted) + "/")]
+        assert home == "FileNotFoundError" or all(any(r.split("/")[len(os.path.dirname(planted).split("/"))] == h
+                                                      for r in runtime) for h in home), home
         assert not any(v for k, v in facts.items() if k.startswith("wrote"))
-        assert os.path.exists(os.path.join(jobdir, "inside-job.txt"))
+        assert os.path.exists(os.path.join(out, "inside-out.txt"))
         assert not os.path.exists(os.path.join(ROOT, "escape.txt"))
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
 
 
+def test_rank_view_is_what_a_rank_needs():
+    """The course parts a grading rank sees hold no case, reference, comparison or lecture code.
+    (tpkit/selfcheck.py runs the trusted harness from the student's own kernel; inside a box there is
+    no harness to import, and an autograded kernel defers the self-check.)"""
+    for part in RANK_VIEW:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, part)):
+            for f in (x for x in files if x.endswith(".py") and x != "selfcheck.py"):
+                text = open(os.path.join(dirpath, f)).read()
+                for banned in ("from reference", "import reference", "grader.case ", "grader.cases", "grader.compare",
+                               "grader.job"):
+                    assert banned not in text, f"{os.path.join(dirpath, f)} mentions {banned!r}"
+
+
 def test_sandbox_off_says_so():
-    with Sandbox("/tmp", mode="off") as box:
+    with Sandbox(mode="off") as box:
         assert box.prefix == [] and "sandbox off" in box.notes[0]

@@ -3,15 +3,16 @@ import math
 
 import pytest
 
-from grader import pipeline as pl
-from grader import topology as topo
+from tpkit import pipeline as pl
+from tpkit import topology as topo
+from reference import planner, schedules
 
 GB = topo.GB
 M70, C128 = topo.LLAMA_70B, topo.H100_16x8
 
 
 def test_memory_terms_match_the_formulas():
-    mem = topo.memory_per_gpu(M70, C128, tp=8, pp=2, dp=8)
+    mem = planner.memory_per_gpu(M70, C128, tp=8, pp=2, dp=8)
     P = 70e9
     assert mem["weights"] == pytest.approx(2 * P / 16)
     assert mem["grads"] == pytest.approx(2 * P / 16)
@@ -34,12 +35,12 @@ def test_activation_rows_of_korthikanti_table2():
 
 
 def test_activation_memory_of_stage0_does_not_shrink_with_pp():
-    acts = {pp: topo.memory_per_gpu(M70, C128, 8, pp, 128 // (8 * pp))["activations"] for pp in (1, 2, 4, 8)}
+    acts = {pp: planner.memory_per_gpu(M70, C128, 8, pp, 128 // (8 * pp))["activations"] for pp in (1, 2, 4, 8)}
     assert len({round(v) for v in acts.values()}) == 1
 
 
 def test_step_time_terms():
-    t = topo.step_time(M70, C128, tp=8, pp=2, dp=8)
+    t = planner.step_time(M70, C128, tp=8, pp=2, dp=8)
     m = 1024 // 8
     t_c = 6 * 70e9 * 4096 / 16 / (989e12 * 0.4)
     t_tp = 40 * 8 * 7 / 8 * 2 * 4096 * 8192 / 370e9
@@ -47,51 +48,51 @@ def test_step_time_terms():
     t_dp = 2 * 7 / 8 * 2 * 70e9 / 16 / 50e9
     assert t["step"] == pytest.approx((m + 1) * (t_c + t_tp + t_pp) + t_dp)
     assert t["bubble"] == pytest.approx(t_c + t_tp + t_pp)
-    assert topo.step_time(M70, C128, 1, 1, 128)["tp"] == 0 and topo.step_time(M70, C128, 1, 1, 128)["pp"] == 0
+    assert planner.step_time(M70, C128, 1, 1, 128)["tp"] == 0 and planner.step_time(M70, C128, 1, 1, 128)["pp"] == 0
 
 
 def test_plan_keeps_tp_inside_a_node_and_fits():
     for model, cluster in [(M70, C128), (topo.ModelSpec("20B", 20e9, 8, 6144, 48, 2048, 32),
                                          topo.ClusterSpec(n_nodes=8, gpus_per_node=4, gpu_mem=40 * GB))]:
-        best = topo.plan(model, cluster)
+        best = planner.plan(model, cluster)
         assert cluster.gpus_per_node % best.tp == 0
         assert best.tp * best.pp * best.dp == cluster.n_gpus
         assert best.memory_total <= cluster.gpu_mem
-        for tp, pp, dp in topo.candidates(model, cluster):
-            other = topo.evaluate(model, cluster, tp, pp, dp)
+        for tp, pp, dp in planner.candidates(model, cluster):
+            other = planner.evaluate(model, cluster, tp, pp, dp)
             if other.memory_total <= cluster.gpu_mem:
                 assert best.step_time <= other.step_time * (1 + 1e-9)
 
 
 def test_plan_70b_on_16x8_h100():
-    best = topo.plan(M70, C128)
+    best = planner.plan(M70, C128)
     assert (best.tp, best.pp, best.dp) == (2, 8, 8)
     assert best.memory_total / GB == pytest.approx(69.70, abs=0.01)
 
 
 def test_plan_rejects_what_cannot_fit():
-    assert topo.plan(topo.ModelSpec("1T", 1e12, 128, 25600, 160, 2048, 512), topo.ClusterSpec(n_nodes=1)) is None
+    assert planner.plan(topo.ModelSpec("1T", 1e12, 128, 25600, 160, 2048, 512), topo.ClusterSpec(n_nodes=1)) is None
 
 
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 8), (3, 7), (8, 32)])
 def test_simulated_bubble_matches_formula(p, m):
-    for sched in (pl.gpipe(p, m), pl.one_f_one_b(p, m)):
+    for sched in (schedules.gpipe(p, m), schedules.one_f_one_b(p, m)):
         tl = pl.simulate(sched)
         assert not tl.problems
         assert tl.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
-    assert pl.simulate(pl.gpipe(p, m)).peak_in_flight == [m] * p
-    assert pl.simulate(pl.one_f_one_b(p, m)).peak_in_flight == [min(p - s, m) for s in range(p)]
+    assert pl.simulate(schedules.gpipe(p, m)).peak_in_flight == [m] * p
+    assert pl.simulate(schedules.one_f_one_b(p, m)).peak_in_flight == [min(p - s, m) for s in range(p)]
 
 
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 4, 3)])
 def test_interleaved_bubble(p, m, v):
-    tl = pl.simulate(pl.interleaved_1f1b(p, m, v), m=m, v=v)
+    tl = pl.simulate(schedules.interleaved_1f1b(p, m, v), m=m, v=v)
     assert not tl.problems
     assert tl.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
 
 
 def test_simulator_names_a_dependency_violation():
-    bad = pl.one_f_one_b(3, 4)
+    bad = schedules.one_f_one_b(3, 4)
     bad[2] = [("B", 0)] + [a for a in bad[2] if a != ("B", 0)]     # last stage: B(0) before F(0)
     tl = pl.simulate(bad)
     assert tl.stuck[:2] == (2, 0) and "needs F(mb 0)" in tl.problems[-1]

@@ -1,7 +1,7 @@
 """Week 1 helpers without launching ranks: the ring simulation, the cases' references and contracts."""
 import torch
 
-from grader import plots
+from tpkit import plots
 from grader.case import get_case
 
 

@@ -44,16 +44,6 @@ def _numel(cfg) -> int:
     return n
 
 
-def _run(fn_name):
-    def run_rank(mod, cfg, inp, ctx):
-        x = inp["x"][ctx.rank].clone()
-        ctx.phase("forward")
-        y = getattr(mod, fn_name)(x, group=ctx.group)
-        ctx.phase("after")
-        return {"y": y, "x_unchanged": x}
-    return run_rank
-
-
 def _expect_rs(cfg, ref, r, t):
     full = ref["partial_sums"][t - 1].flatten()
     return {"y": torch.tensor_split(full, t)[r].contiguous(), "x_unchanged": ref["x"][r]}
@@ -109,7 +99,7 @@ _EXPECT = {"ring_reduce_scatter": (_expect_rs, "reduce_scatter"), "ring_all_gath
 
 for _name, _fn, _shape, _seed in _SPECS:
     _exp, _kind = _EXPECT[_fn]
-    register(Case(name=f"week01/{_name}", module=MODULE, world_sizes=(2, 3, 4), config={"shape": _shape},
-                  make_inputs=_inputs, reference=_reference, run_rank=_run(_fn), expected=_exp,
+    register(Case(name=f"week01/{_name}", module=MODULE, world_sizes=(2, 3, 4), config={"shape": _shape, "fn": _fn},
+                  make_inputs=_inputs, reference=_reference, run_rank="run_ring", expected=_exp,
                   contract=_contract(_kind), seed=_seed, hidden=_seed is None, title=_fn,
                   hints={"y": HINTS[_fn], "x_unchanged": X_HINT}))

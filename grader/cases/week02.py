@@ -11,11 +11,36 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from grader.case import Case, Contract, register
-from grader.reference import dense_linear, dense_mlp
 
 MODULE = "tp_linear"
+
+
+# -- single-device references (trusted process; from the full tensors, never from a student's shards) --
+def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone().requires_grad_(True)
+
+
+def dense_linear(x, weight, bias, dy) -> dict:
+    """y = x W^T + b and its grads: the dense answer for column- and row-parallel linears."""
+    x, w, b = _leaf(x), _leaf(weight), _leaf(bias)
+    y = F.linear(x, w, b)                         # (..., out)
+    y.backward(dy)
+    out = {"y": y.detach(), "dx": x.grad, "dW": w.grad}
+    if b is not None:
+        out["db"] = b.grad
+    return out
+
+
+def dense_mlp(x, w1, b1, w2, b2, dy) -> dict:
+    """Megatron MLP on one device: y = GeLU(x W1^T + b1) W2^T + b2."""
+    x, w1, b1, w2, b2 = map(_leaf, (x, w1, b1, w2, b2))
+    h = F.gelu(F.linear(x, w1, b1))               # (..., ffn)
+    y = F.linear(h, w2, b2)                       # (..., hidden)
+    y.backward(dy)
+    return {"y": y.detach(), "dx": x.grad, "dW1": w1.grad, "db1": b1.grad, "dW2": w2.grad, "db2": b2.grad}
 
 
 def _linear_inputs(cfg, gen):
@@ -28,36 +53,11 @@ def _linear_inputs(cfg, gen):
     return d
 
 
-def _dense(w, b):
-    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-        if b is not None:
-            lin.bias.copy_(b)
-    return lin
-
-
 def _shard(t, rank, world, dim):
     return t.chunk(world, dim=dim)[rank].contiguous()
 
 
 # -- column-parallel ------------------------------------------------------------
-def _run_column(mod, cfg, inp, ctx):
-    layer = mod.ColumnParallelLinear.from_dense(_dense(inp["W"], inp.get("b")),
-                                                gather_output=cfg["gather"], group=ctx.group)
-    ctx.record_params(layer)
-    x = inp["x"].clone().requires_grad_(True)
-    ctx.phase("forward")
-    y = layer(x)
-    ctx.phase("backward")
-    dy = inp["dy"] if cfg["gather"] else ctx.shard(inp["dy"], -1)
-    ctx.backward(y, dy)
-    out = {"y": y, "dx": x.grad, "dW": ctx.grad(layer, "weight")}
-    if "b" in inp:
-        out["db"] = ctx.grad(layer, "bias")
-    return out
-
-
 def _expect_column(cfg, ref, r, t):
     out = {"y": ref["y"] if cfg["gather"] else _shard(ref["y"], r, t, -1), "dx": ref["dx"],
            "dW": _shard(ref["dW"], r, t, 0)}
@@ -78,22 +78,6 @@ def _contract_column(cfg, t):
 
 
 # -- row-parallel ---------------------------------------------------------------
-def _run_row(mod, cfg, inp, ctx):
-    layer = mod.RowParallelLinear.from_dense(_dense(inp["W"], inp.get("b")),
-                                             input_is_parallel=cfg["parallel_input"], group=ctx.group)
-    ctx.record_params(layer)
-    x_in = ctx.shard(inp["x"], -1) if cfg["parallel_input"] else inp["x"]
-    x = x_in.clone().requires_grad_(True)
-    ctx.phase("forward")
-    y = layer(x)
-    ctx.phase("backward")
-    ctx.backward(y, inp["dy"])
-    out = {"y": y, "dx": x.grad, "dW": ctx.grad(layer, "weight")}
-    if "b" in inp:
-        out["db"] = ctx.grad(layer, "bias")
-    return out
-
-
 def _expect_row(cfg, ref, r, t):
     out = {"y": ref["y"], "dx": _shard(ref["dx"], r, t, -1) if cfg["parallel_input"] else ref["dx"],
            "dW": _shard(ref["dW"], r, t, 1)}
@@ -122,20 +106,6 @@ def _mlp_inputs(cfg, gen):
             "W1": torch.randn(f, h, generator=gen) / math.sqrt(h), "b1": 0.1 * torch.randn(f, generator=gen),
             "W2": torch.randn(h, f, generator=gen) / math.sqrt(f), "b2": 0.1 * torch.randn(h, generator=gen),
             "dy": torch.randn(*cfg["lead"], h, generator=gen)}
-
-
-def _run_mlp(mod, cfg, inp, ctx):
-    fc1 = mod.ColumnParallelLinear.from_dense(_dense(inp["W1"], inp["b1"]), gather_output=False, group=ctx.group)
-    fc2 = mod.RowParallelLinear.from_dense(_dense(inp["W2"], inp["b2"]), input_is_parallel=True, group=ctx.group)
-    ctx.record_params(fc1, "fc1.")
-    ctx.record_params(fc2, "fc2.")
-    x = inp["x"].clone().requires_grad_(True)
-    ctx.phase("forward")
-    y = fc2(torch.nn.functional.gelu(fc1(x)))
-    ctx.phase("backward")
-    ctx.backward(y, inp["dy"])
-    return {"y": y, "dx": x.grad, "dW1": ctx.grad(fc1, "weight"), "db1": ctx.grad(fc1, "bias"),
-            "dW2": ctx.grad(fc2, "weight"), "db2": ctx.grad(fc2, "bias")}
 
 
 def _expect_mlp(cfg, ref, r, t):
@@ -176,7 +146,7 @@ for name, gather, cfg, seed in [
         ("column_parallel_local_hidden", False, _lin({"lead": [3, 2], "in": 20, "out": 12}), None)]:
     register(Case(name=f"week02/{name}", module=MODULE, world_sizes=(2, 4), config=dict(cfg, gather=gather),
                   make_inputs=_linear_inputs, reference=lambda c, d: dense_linear(d["x"], d["W"], d.get("b"), d["dy"]),
-                  run_rank=_run_column, expected=_expect_column, contract=_contract_column, seed=seed,
+                  run_rank="run_column", expected=_expect_column, contract=_contract_column, seed=seed,
                   hidden=seed is None, title="ColumnParallelLinear", hints=HINTS))
 
 for name, par, cfg, seed in [
@@ -186,12 +156,12 @@ for name, par, cfg, seed in [
         ("row_parallel_input_parallel_hidden", True, _lin({"lead": [5], "in": 12, "out": 20, "bias": False}), None)]:
     register(Case(name=f"week02/{name}", module=MODULE, world_sizes=(2, 4), config=dict(cfg, parallel_input=par),
                   make_inputs=_linear_inputs, reference=lambda c, d: dense_linear(d["x"], d["W"], d.get("b"), d["dy"]),
-                  run_rank=_run_row, expected=_expect_row, contract=_contract_row, seed=seed,
+                  run_rank="run_row", expected=_expect_row, contract=_contract_row, seed=seed,
                   hidden=seed is None, title="RowParallelLinear", hints=HINTS))
 
 for name, cfg, seed in [("mlp", {"lead": [4], "hidden": 8, "ffn": 32}, 4),
                         ("mlp_hidden", {"lead": [2, 5], "hidden": 12, "ffn": 24}, None)]:
     register(Case(name=f"week02/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_mlp_inputs,
                   reference=lambda c, d: dense_mlp(d["x"], d["W1"], d["b1"], d["W2"], d["b2"], d["dy"]),
-                  run_rank=_run_mlp, expected=_expect_mlp, contract=_contract_mlp, seed=seed, hidden=seed is None,
+                  run_rank="run_mlp", expected=_expect_mlp, contract=_contract_mlp, seed=seed, hidden=seed is None,
                   title="Megatron MLP", hints={**HINTS, "db2": HINTS["db"], "db1": HINTS["db"]}))

@@ -7,12 +7,12 @@ column-parallel input): attention 1 + 1, block 2 + 2. RMSNorm weights are replic
 input and the grad reaching them are replicated, so every rank holds the dense grad with no
 communication.
 
-GQA rule (grader.block_reference.kv_heads_of_rank): rank r keeps the k/v rows of every kv head
+GQA rule (reference.head_sharding.kv_heads_of_rank): rank r keeps the k/v rows of every kv head
 its query heads read; a kv head read by several ranks is copied, and each copy's weight grad is
 the partial from that rank's query heads (the dense grad is their sum; summing them is a
 once-per-step weight-grad sync, not part of the block's backward, so it is not in the contract).
 
-Why atol=1e-3 is fair: weights come from N(0, 1/fan_in) (grader.models.init_weights: activations
+Why atol=1e-3 is fair: weights come from N(0, 1/fan_in) (tpkit.models.init_weights: activations
 stay O(1)), inputs and upstream grads are N(0, 1), everything is float32 (eps ~1e-7) and the
 reductions are tens of terms long: a correct TP implementation differs from the dense one by
 ~1e-6 (reordered sums), a wrong slice or a doubled reduction by O(0.1-1).
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from grader.block_reference import build, dense_attention, dense_block, kv_heads_of_rank, model_config
+from reference.head_sharding import dense_attention, dense_block, kv_heads_of_rank, model_config
 from grader.case import Case, Contract, register
-from grader.models import Attention, DecoderLayer, init_weights
+from tpkit.models import Attention, DecoderLayer, init_weights
 
 MODULE = "tp_block"
 
@@ -38,31 +38,6 @@ def _inputs(kind):
         d["dy"] = torch.randn(cfg["batch"], cfg["seq"], cfg["hidden"], generator=gen)
         return d
     return make
-
-
-def _grads(module, names):
-    params = dict(module.named_parameters())
-    return {f"d.{n}": (params[n].grad if n in params else None) for n in names}
-
-
-ATTN_PARAMS = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"]
-BLOCK_PARAMS = ["input_layernorm.weight", "post_attention_layernorm.weight"] + \
-    [f"self_attn.{n}" for n in ATTN_PARAMS] + [f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
-
-
-def _run(kind):
-    def run(mod, cfg, inp, ctx):
-        dense = build(kind, cfg, inp)
-        cls = mod.TPAttention if kind == "attention" else mod.TPDecoderLayer
-        layer = cls.from_dense(dense, group=ctx.group)
-        ctx.record_params(layer)
-        x = inp["x"].clone().requires_grad_(True)
-        ctx.phase("forward")
-        y = layer(x)
-        ctx.phase("backward")
-        y.backward(inp["dy"])
-        return {"y": y, "dx": x.grad, **_grads(layer, ATTN_PARAMS if kind == "attention" else BLOCK_PARAMS)}
-    return run
 
 
 def _attn_shards(cfg, ref, r, t, pre):
@@ -166,11 +141,11 @@ BLOCK = [("block", (2, 4), _cfg(kv_heads=2), 2),
 
 for name, ws, cfg, seed in ATTENTION:
     register(Case(name=f"week03/{name}", module=MODULE, world_sizes=ws, config=dict(cfg, world_sizes=list(ws)),
-                  make_inputs=_inputs("attention"), reference=dense_attention, run_rank=_run("attention"),
+                  make_inputs=_inputs("attention"), reference=dense_attention, run_rank="run_attention",
                   expected=_expect_attention, contract=_contract_attention, seed=seed, hidden=seed is None,
                   title="TP attention", hints=HINTS))
 for name, ws, cfg, seed in BLOCK:
     register(Case(name=f"week03/{name}", module=MODULE, world_sizes=ws, config=dict(cfg, world_sizes=list(ws)),
-                  make_inputs=_inputs("block"), reference=dense_block, run_rank=_run("block"),
+                  make_inputs=_inputs("block"), reference=dense_block, run_rank="run_block",
                   expected=_expect_block, contract=_contract_block, seed=seed, hidden=seed is None,
                   title="TP decoder block", hints=HINTS))

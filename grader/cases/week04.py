@@ -3,8 +3,9 @@
 The padding rule (as Megatron pads its vocabulary to a multiple of the TP size): with V rows and t
 ranks, each rank owns ceil(V/t) consecutive rows of the padded vocabulary; rank r owns global ids
 [r ceil(V/t), (r+1) ceil(V/t)); ids >= V are padding. The embedding shard stores zeros there; the
-cross-entropy masks padded logit columns out (they are filled with a large value here, as garbage
-from a padded lm_head could be, so padding that is not masked wins the max and the softmax).
+cross-entropy masks padded logit columns out (the rank fills them with a large value,
+grader.rank.week04.PAD_LOGIT, as garbage from a padded lm_head could be, so padding that is not
+masked wins the max and the softmax).
 
 Cross-entropy (Megatron-LM core/tensor_parallel/cross_entropy.py): three all-reduces of [B, T]
 tensors forward: MAX of the row max, SUM of the target logit (non-zero on the owning rank only),
@@ -20,26 +21,13 @@ atol); a correct implementation is within ~1e-6, a wrong mask or smoothing term 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from grader.case import Case, Contract, register
+from grader.rank.week04 import pad_shard, padded_rows, upstream
 
 MODULE = "vocab_parallel"
-PAD_LOGIT = 30.0   # what a padded lm_head row might produce: must never win
-
-
-def padded_rows(vocab: int, t: int) -> int:
-    return math.ceil(vocab / t)
-
-
-def _pad_shard(x: torch.Tensor, vocab: int, r: int, t: int, dim: int, value: float = 0.0) -> torch.Tensor:
-    """Rank r's slice of x padded along `dim` from V to t ceil(V/t) entries."""
-    per = padded_rows(vocab, t)
-    pad = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, t * per - vocab]
-    return F.pad(x, pad, value=value).narrow(dim, r * per, per).contiguous()
 
 
 # -- embedding -------------------------------------------------------------------
@@ -57,21 +45,8 @@ def _emb_reference(cfg, inp):
     return {"y": y.detach(), "dW": w.grad}
 
 
-def _emb_run(mod, cfg, inp, ctx):
-    dense = torch.nn.Embedding(cfg["vocab"], cfg["hidden"])
-    with torch.no_grad():
-        dense.weight.copy_(inp["W"])
-    emb = mod.VocabParallelEmbedding.from_dense(dense, group=ctx.group)
-    ctx.record_params(emb)
-    ctx.phase("forward")
-    y = emb(inp["ids"].clone())
-    ctx.phase("backward")
-    y.backward(inp["dy"])
-    return {"y": y, "dW": emb.weight.grad}
-
-
 def _emb_expected(cfg, ref, r, t):
-    return {"y": ref["y"], "dW": _pad_shard(ref["dW"], cfg["vocab"], r, t, 0)}
+    return {"y": ref["y"], "dW": pad_shard(ref["dW"], cfg["vocab"], r, t, 0)}
 
 
 def _emb_contract(cfg, t):
@@ -93,33 +68,16 @@ def _ce_inputs(cfg, gen):
     return {"logits": 2.0 * torch.randn(B, T, V, generator=gen), "targets": targets}
 
 
-def _upstream(cfg) -> float:
-    """dL/dloss = B*T, as if the loss were summed over tokens: each logit grad is then O(1), not O(1/#tokens)."""
-    return float(cfg["batch"] * cfg["seq"])
-
-
 def _ce_reference(cfg, inp):
     z = inp["logits"].clone().requires_grad_(True)
     loss = F.cross_entropy(z.flatten(0, 1), inp["targets"].flatten(), ignore_index=cfg["ignore_index"],
                            label_smoothing=cfg["smoothing"])          # mean over the kept tokens
-    loss.backward(torch.tensor(_upstream(cfg)))
+    loss.backward(torch.tensor(upstream(cfg)))
     return {"loss": loss.detach(), "dlogits": z.grad}
 
 
-def _ce_run(mod, cfg, inp, ctx):
-    r, t, V = ctx.rank, ctx.world_size, cfg["vocab"]
-    local = _pad_shard(inp["logits"], V, r, t, -1, value=PAD_LOGIT).requires_grad_(True)  # (B, T, ceil(V/t))
-    ctx.phase("forward")
-    loss = mod.vocab_parallel_cross_entropy(local, inp["targets"].clone(), group=ctx.group,
-                                            ignore_index=cfg["ignore_index"], label_smoothing=cfg["smoothing"],
-                                            vocab_size=V)
-    ctx.phase("backward")
-    loss.backward(torch.tensor(_upstream(cfg)))
-    return {"loss": loss, "dlogits": local.grad}
-
-
 def _ce_expected(cfg, ref, r, t):
-    return {"loss": ref["loss"], "dlogits": _pad_shard(ref["dlogits"], cfg["vocab"], r, t, -1)}
+    return {"loss": ref["loss"], "dlogits": pad_shard(ref["dlogits"], cfg["vocab"], r, t, -1)}
 
 
 def _ce_contract(cfg, t):
@@ -163,9 +121,9 @@ CE = [("cross_entropy", (2, 4), _c(), 2),
 
 for name, ws, cfg, seed in EMB:
     register(Case(name=f"week04/{name}", module=MODULE, world_sizes=ws, config=cfg, make_inputs=_emb_inputs,
-                  reference=_emb_reference, run_rank=_emb_run, expected=_emb_expected, contract=_emb_contract,
+                  reference=_emb_reference, run_rank="run_embedding", expected=_emb_expected, contract=_emb_contract,
                   seed=seed, hidden=seed is None, title="VocabParallelEmbedding", hints=HINTS))
 for name, ws, cfg, seed in CE:
     register(Case(name=f"week04/{name}", module=MODULE, world_sizes=ws, config=cfg, make_inputs=_ce_inputs,
-                  reference=_ce_reference, run_rank=_ce_run, expected=_ce_expected, contract=_ce_contract,
+                  reference=_ce_reference, run_rank="run_cross_entropy", expected=_ce_expected, contract=_ce_contract,
                   seed=seed, hidden=seed is None, title="vocab-parallel cross-entropy", hints=HINTS))

@@ -14,12 +14,9 @@ from __future__ import annotations
 import torch
 
 from grader.case import Case, Contract, register
-from grader.models import DecoderLayer, ModelConfig, init_weights
+from grader.rank.week05 import COLUMN, NORMS, ROW, dense_layer, pad_seq
 
 MODULE = "sp_block"
-COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-ROW = ("self_attn.o_proj", "mlp.down_proj")
-NORMS = ("input_layernorm", "post_attention_layernorm")
 SEQ_HINT = ("Rank r's block is positions r*T/t:(r+1)*T/t (torch.chunk along dim 1). all_gather_single and "
             "reduce_scatter_single split dim 0: move the sequence (dim 1) to the front first, or you move batches.")
 HINTS = {
@@ -55,19 +52,6 @@ def _ops_reference(cfg, d):
     return out
 
 
-def _ops_run(mod, cfg, inp, ctx):
-    r = ctx.rank
-    x = ctx.shard(inp["x"], 1).clone().requires_grad_(True)
-    xr = inp["xs"][r].clone().requires_grad_(True)
-    ctx.phase("forward")
-    y_gather = mod.GatherFromSequence.apply(x, ctx.group)
-    y_rs = mod.ReduceScatterToSequence.apply(xr, ctx.group)
-    ctx.phase("backward")
-    y_gather.backward(inp["dys"][r])
-    y_rs.backward(ctx.shard(inp["dy"], 1))
-    return {"y_gather": y_gather, "dx_gather": x.grad, "y_reduce_scatter": y_rs, "dx_reduce_scatter": xr.grad}
-
-
 def _ops_expected(cfg, ref, r, t):
     return {"y_gather": ref["x"], "dx_gather": _shard(ref[f"sum_dys{t}"], r, t, 1),
             "y_reduce_scatter": _shard(ref[f"sum_xs{t}"], r, t, 1), "dx_reduce_scatter": ref["dy"]}
@@ -89,24 +73,16 @@ OPS_HINTS = {"y_gather": SEQ_HINT, "y_reduce_scatter": SEQ_HINT,
 
 for name, shape, seed in [("sequence_ops", (2, 8, 6), 0), ("sequence_ops_hidden", (3, 12, 5), None)]:
     register(Case(name=f"week05/{name}", module=MODULE, world_sizes=(2, 4), config={"shape": list(shape)},
-                  make_inputs=_ops_inputs, reference=_ops_reference, run_rank=_ops_run, expected=_ops_expected,
-                  contract=_ops_contract, seed=seed, hidden=seed is None, title="sequence operators", hints=OPS_HINTS))
+                  make_inputs=_ops_inputs, reference=_ops_reference, run_rank="run_sequence_ops",
+                  expected=_ops_expected, contract=_ops_contract, seed=seed, hidden=seed is None,
+                  title="sequence operators", hints=OPS_HINTS))
 
 
 # -- the SP block --------------------------------------------------------------------------------
-def _model_cfg(cfg):
-    return ModelConfig(hidden_size=cfg["C"], intermediate_size=cfg["F"], num_attention_heads=cfg["nh"],
-                       num_key_value_heads=cfg["nkv"])
-
-
 def _block_inputs(cfg, gen):
     B, T, C = cfg["B"], cfg["T"], cfg["C"]
     return {"x": torch.randn(B, T, C, generator=gen), "dy": torch.randn(B, T, C, generator=gen),
             "wseed": torch.randint(0, 2**31 - 1, (1,), generator=gen)}
-
-
-def _dense_layer(cfg, inp):
-    return init_weights(DecoderLayer(_model_cfg(cfg)), int(inp["wseed"][0]))
 
 
 def _dense_run(layer, x, dy, tag=""):
@@ -120,41 +96,13 @@ def _dense_run(layer, x, dy, tag=""):
     return out
 
 
-def _pad(x, t):
-    return torch.nn.functional.pad(x, (0, 0, 0, -x.shape[1] % t))
-
-
 def _block_reference(cfg, d):
-    layer = _dense_layer(cfg, d)
+    layer = dense_layer(cfg, d)
     if not cfg.get("uneven"):
         return _dense_run(layer, d["x"], d["dy"])
     out = {}
     for t in (2, 4):       # the pad (and so the reference) depends on t
-        out.update(_dense_run(layer, _pad(d["x"], t), _pad(d["dy"], t), tag=str(t)))
-    return out
-
-
-def _block_run(mod, cfg, inp, ctx):
-    dense = _dense_layer(cfg, inp)
-    layer = mod.SPDecoderLayer.from_dense(dense, group=ctx.group)
-    ctx.record_params(layer)
-    out = {}
-    if cfg.get("uneven"):
-        x_block = mod.pad_and_split(inp["x"], ctx.group)
-        out["x_block"] = x_block
-        dy = ctx.shard(_pad(inp["dy"], ctx.world_size), 1)
-    else:
-        x_block, dy = ctx.shard(inp["x"], 1), ctx.shard(inp["dy"], 1)
-    x = x_block.detach().clone().requires_grad_(True)
-    ctx.phase("forward")
-    y = layer(x)
-    ctx.phase("backward")
-    y.backward(dy)
-    params = dict(layer.named_parameters())
-    out.update({"y": y, "dx": x.grad})
-    for name in COLUMN + ROW + NORMS:
-        p = params.get(f"{name}.weight")
-        out[f"d{name.split('.')[-1]}"] = None if p is None else p.grad
+        out.update(_dense_run(layer, pad_seq(d["x"], t), pad_seq(d["dy"], t), tag=str(t)))
     return out
 
 
@@ -201,5 +149,5 @@ for name, cfg, seed in [
         ("sp_block_uneven", dict(BASE, T=7, uneven=True), 6),
         ("sp_block_uneven_hidden", dict(BASE, B=1, T=5, C=16, F=32, nh=4, nkv=4, uneven=True), None)]:
     register(Case(name=f"week05/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_block_inputs,
-                  reference=_block_reference, run_rank=_block_run, expected=_block_expected,
+                  reference=_block_reference, run_rank="run_block", expected=_block_expected,
                   contract=_block_contract, seed=seed, hidden=seed is None, title="SPDecoderLayer", hints=HINTS))

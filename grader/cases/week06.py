@@ -1,7 +1,7 @@
 """Week 6: overlapped (ring) AG+GEMM and GEMM+RS, and the column/row linears built on them; t = 2 and 4.
 
 Correctness is graded (dense reference at atol=1e-3, plus bit-exactness vs the non-overlapped version
-where the algorithm allows); overlap is not: it is a timing, reported by `grader.overlap_ops.overlap_efficiency`.
+where the algorithm allows); overlap is not: it is a timing, reported by `tpkit.timeline.overlap_efficiency`.
 
 Bit-exactness ("same_bits_as_plain"): the harness recomputes the non-overlapped version on the rank, in a
 phase the contract ignores: all-gather then F.linear on each contiguous (B, T/t, C) block; or F.linear per
@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from grader.case import Case, Contract, register
-from grader.sp_ops import all_gather_seq, reduce_scatter_seq
 
 MODULE = "overlap_linear"
 BITS_HINT = ("The ring moves bytes without arithmetic, so each block's GEMM sees the same input as 'all-gather, then "
@@ -54,50 +53,11 @@ def _shard(t, r, n, dim):
     return t.chunk(n, dim=dim)[r].contiguous()
 
 
-def _same_bits(got, plain):
-    return torch.tensor([int(isinstance(got, torch.Tensor) and got.shape == plain.shape and torch.equal(got, plain))])
-
-
-def _plain_ag(x_s, w, group):
-    x_full = all_gather_seq(x_s, group)
-    t = x_full.shape[1] // x_s.shape[1]
-    return torch.cat([F.linear(c.contiguous(), w) for c in x_full.chunk(t, dim=1)], dim=1)
-
-
-def _plain_rs(x, w, t, group):
-    return reduce_scatter_seq(torch.cat([F.linear(c.contiguous(), w) for c in x.chunk(t, dim=1)], dim=1), group)
-
-
 # -- the two ring functions (forward only) --------------------------------------------------------
-def _run_ag(mod, cfg, inp, ctx):
-    x_s, w = ctx.shard(inp["x"], 1), ctx.shard(inp["W"], 0)
-    ctx.phase("forward")
-    y, x_full = mod.ring_all_gather_matmul(x_s, w, ctx.group)
-    ctx.phase("harness")                     # the non-overlapped version, outside the contract's phases
-    plain = _plain_ag(x_s, w, ctx.group)
-    out = {"y": y, "x_full": x_full}
-    if ctx.world_size == 2:
-        out["same_bits_as_plain"] = _same_bits(y, plain)
-    return out
-
-
 def _expect_ag(cfg, ref, r, t):
     out = {"y": _shard(ref["y"], r, t, 2), "x_full": ref["x"]}
     if t == 2:
         out["same_bits_as_plain"] = torch.tensor([1])
-    return out
-
-
-def _run_rs(mod, cfg, inp, ctx):
-    x, w = ctx.shard(inp["x"], 2), ctx.shard(inp["W"], 1)
-    ctx.phase("forward")
-    y = mod.matmul_reduce_scatter(x, w, ctx.group)
-    ctx.phase("harness")
-    out = {"y": y}
-    if ctx.world_size == 2:
-        out["same_bits_as_plain"] = _same_bits(y, _plain_rs(x, w, 2, ctx.group))
-    else:
-        _plain_rs(x, w, ctx.world_size, ctx.group)   # same collectives on every rank in every case
     return out
 
 
@@ -118,22 +78,6 @@ def _ring_contract(phases):
 
 
 # -- the linears (forward + backward) -------------------------------------------------------------
-def _run_linear(mod, cfg, inp, ctx):
-    dense = torch.nn.Linear(cfg["in"], cfg["out"], bias=False)
-    with torch.no_grad():
-        dense.weight.copy_(inp["W"])
-    column = cfg["kind"] == "column"
-    cls = mod.OverlapColumnParallelLinear if column else mod.OverlapRowParallelLinear
-    layer = cls.from_dense(dense, group=ctx.group)
-    ctx.record_params(layer)
-    x = (ctx.shard(inp["x"], 1) if column else ctx.shard(inp["x"], 2)).clone().requires_grad_(True)
-    ctx.phase("forward")
-    y = layer(x)
-    ctx.phase("backward")
-    y.backward(ctx.shard(inp["dy"], 2) if column else ctx.shard(inp["dy"], 1))
-    return {"y": y, "dx": x.grad, "dW": layer.weight.grad}
-
-
 def _expect_linear(cfg, ref, r, t):
     if cfg["kind"] == "column":
         return {"y": _shard(ref["y"], r, t, 2), "dx": _shard(ref["dx"], r, t, 1), "dW": _shard(ref["dW"], r, t, 0)}
@@ -157,15 +101,17 @@ def _cfg(**kw):
 
 for name, cfg, seed in [("ag_matmul", _cfg(), 10), ("ag_matmul_hidden", _cfg(B=3, T=12, **{"in": 8, "out": 20}), None)]:
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
-                  reference=_reference, run_rank=_run_ag, expected=_expect_ag, contract=_ring_contract(("forward",)),
-                  seed=seed, hidden=seed is None, title="ring AG+GEMM", hints=HINTS))
+                  reference=_reference, run_rank="run_ag_matmul", expected=_expect_ag,
+                  contract=_ring_contract(("forward",)), seed=seed, hidden=seed is None, title="ring AG+GEMM",
+                  hints=HINTS))
 for name, cfg, seed in [("matmul_rs", _cfg(), 11), ("matmul_rs_hidden", _cfg(B=1, T=12, **{"in": 20, "out": 8}), None)]:
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
-                  reference=_reference, run_rank=_run_rs, expected=_expect_rs, contract=_ring_contract(("forward",)),
-                  seed=seed, hidden=seed is None, title="GEMM+ring RS", hints=HINTS))
+                  reference=_reference, run_rank="run_matmul_rs", expected=_expect_rs,
+                  contract=_ring_contract(("forward",)), seed=seed, hidden=seed is None, title="GEMM+ring RS",
+                  hints=HINTS))
 for name, cfg, seed in [("column_linear", _cfg(kind="column"), 12), ("row_linear", _cfg(kind="row"), 13),
                         ("column_linear_hidden", _cfg(B=3, T=4, kind="column", **{"in": 12, "out": 8}), None),
                         ("row_linear_hidden", _cfg(B=1, T=12, kind="row", **{"in": 8, "out": 12}), None)]:
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
-                  reference=_reference, run_rank=_run_linear, expected=_expect_linear, contract=_linear_contract,
+                  reference=_reference, run_rank="run_linear", expected=_expect_linear, contract=_linear_contract,
                   seed=seed, hidden=seed is None, title="overlapped linear", hints=HINTS))

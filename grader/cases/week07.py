@@ -1,4 +1,4 @@
-"""Week 7: a DTensor TP + SP plan for the course model (`grader.models`), graded on t = 2 and 4.
+"""Week 7: a DTensor TP + SP plan for the course model (`tpkit.models`), graded on t = 2 and 4.
 
 The student writes plans (module path -> ParallelStyle); the harness applies them with
 `parallelize_module` to a pure dense model built from a seed, runs forward + backward (loss parallel
@@ -13,45 +13,20 @@ enters with an all-gather, and vocab-parallel cross-entropy adds three all-reduc
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from grader.case import Case, Contract, register
-from grader.models import DecoderLayer, ForCausalLM, init_weights
+from grader.rank.week07 import CHECKED_PARAMS
+from tpkit.models import DecoderLayer, ForCausalLM, init_weights
 
-
-def _warm_imports():
-    """Rank processes only: pay DTensor's lazy imports (torch._dynamo, ...) before the per-item clock starts.
-
-    rank.py imports this module (get_case) before it arms the item timeout; a lazy import interrupted by
-    that alarm would leave torch._dynamo half-initialised for every later item.
-    """
-    import torch._dynamo  # noqa: F401
-    import torch.distributed.tensor  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-    import torch.distributed.tensor.parallel  # noqa: F401
-    import torch.distributed.tensor.debug  # noqa: F401
-
-
-if os.environ.get("COURSE_JOB_ID"):
-    _warm_imports()
 
 MODULE = "tp_plan"
-CHECKED_PARAMS = ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
-                  "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight")
 COL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "embed_tokens")   # Shard(0) of the weight
 ROW = ("o_proj", "down_proj")                                                               # Shard(1) of the weight
 
-KWARGS_HINT = ("DecoderLayer calls `self.self_attn(hidden_states=..., position_ids=...)` with keyword arguments, "
-               "so a PrepareModuleInput for `self_attn` must describe them with input_kwarg_layouts= and "
-               "desired_input_kwarg_layouts= ({'hidden_states': ...}); input_layouts only covers positional ones.")
-MIXED_HINT = ("A DTensor met a plain tensor: some layer of the plan is missing or misspelled (parallelize_module only "
-              "warns about a key that matches nothing), or a style returns a DTensor where a local tensor is expected.")
-
-
 def _cfg(cfg):
-    from grader.dtensor_tools import week07_config
+    from tpkit.dtensor import week07_config
     return week07_config(**cfg["model"])
 
 
@@ -135,140 +110,6 @@ def _expected(cfg, ref, r, t):
     return out
 
 
-# -- each rank ------------------------------------------------------------------------
-def _apply_plans(mod, model, mesh, whole_model: bool):
-    from torch.distributed.tensor.parallel import parallelize_module
-    layers = model.model.layers if whole_model else [model]
-    for layer in layers:
-        parallelize_module(layer, mesh, mod.block_plan())
-    if whole_model:
-        parallelize_module(model, mesh, mod.model_plan())
-
-
-def _record(ctx, model):
-    from grader.dtensor_tools import local_shape
-    for n, p in model.named_parameters():
-        ctx.params[n] = local_shape(p)
-
-
-def _require_sharded(model):
-    from grader.dtensor_tools import unsharded_linears
-    unsharded = unsharded_linears(model)
-    if unsharded:
-        held = ", ".join(f"`{n}` (weight {tuple(model.get_submodule(n).weight.shape)} on every rank)" for n in unsharded)
-        raise RuntimeError(f"not sharded: {held}. No plan key matched these layers, so they stay replicated "
-                           f"(parallelize_module only warns about a key that matches nothing): check the spelling "
-                           f"of the plan keys against model.named_modules().")
-
-
-def _explain(exc: BaseException):
-    msg = str(exc)
-    if "input_layouts should have same length" in msg:
-        raise RuntimeError(f"PrepareModuleInput got no positional input: {KWARGS_HINT}") from None
-    if "mixed torch.Tensor and DTensor" in msg:
-        raise RuntimeError(f"{msg.splitlines()[0]}\n{MIXED_HINT}") from None
-    raise exc
-
-
-def _run(mod, cfg, inp, ctx):
-    import warnings
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-    from grader.dtensor_tools import local_grad, see_dtensor_collectives, tp_mesh_for
-
-    mc = _cfg(cfg)
-    seed = int(inp["init_seed"][0])
-    mesh = tp_mesh_for(ctx.group, ctx.device.type)
-    block = cfg["kind"] == "block"
-    model = init_weights(DecoderLayer(mc) if block else ForCausalLM(mc), seed).to(ctx.device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")            # a misspelled key only warns: the shape check names it
-        _apply_plans(mod, model, mesh, whole_model=not block)
-    _record(ctx, model)
-    _require_sharded(model)
-    out = {}
-    try:
-        with see_dtensor_collectives(ctx.ledger):
-            if block:
-                x = ctx.shard(inp["x"], 1).requires_grad_(True)             # (B, T/t, C): SP input
-                ctx.phase("forward")
-                y = model(x)
-                y = y.to_local() if isinstance(y, DTensor) else y           # (B, T/t, C)
-                ctx.phase("backward")
-                y.backward(ctx.shard(inp["dy"], 1))
-                out = {"y": y, "dx": x.grad}
-            else:
-                ids, labels = inp["input_ids"], inp["labels"]
-                T = ids.shape[1]
-                if cfg["kind"] == "padding":
-                    ids, labels = mod.pad_for_sp(ids, labels, ctx.world_size)
-                    if ids.shape[1] % ctx.world_size or labels.shape != ids.shape or ids.shape[1] < T:
-                        raise ValueError(f"pad_for_sp returned ids {tuple(ids.shape)} and labels "
-                                         f"{tuple(labels.shape)} for T={T}, t={ctx.world_size}: both must be "
-                                         f"(B, T') with T' >= T and T' % t == 0, or DTensor SP aborts on gloo.")
-                ctx.phase("forward")
-                logits = model(ids)
-                with loss_parallel():
-                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-                    ctx.phase("backward")
-                    loss.backward()
-                out["loss"] = (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
-                if cfg["kind"] == "model":
-                    out["logits"] = (logits.to_local() if isinstance(logits, DTensor) else logits).detach()
-    except Exception as exc:                          # noqa: BLE001
-        _explain(exc)
-    ctx.phase("grads")                                # reducing Partial grads of replicated norms: not counted
-    for n, p in model.named_parameters():
-        out[f"grad:{n}"] = local_grad(p)
-    return out
-
-
-def _run_fsdp_tp(mod, cfg, inp, ctx):
-    import warnings
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-    from grader.dtensor_tools import quiet_redistribute_warnings, see_dtensor_collectives
-
-    mc = _cfg(cfg)
-    dp, tp = cfg["dp"], ctx.world_size // cfg["dp"]
-    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = init_weights(ForCausalLM(mc), int(inp["init_seed"][0])).to(ctx.device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _apply_plans(mod, model, mesh["tp"], whole_model=True)
-        _require_sharded(model)
-        mod.apply_fsdp(model, mesh["dp"])
-    _record(ctx, model)
-    d = mesh["dp"].get_local_rank()
-    ids, labels = inp["input_ids"].chunk(dp)[d], inp["labels"].chunk(dp)[d]     # this dp rank's micro-batch
-    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
-    losses = []
-    with see_dtensor_collectives(ctx.ledger):
-        for _ in range(cfg["steps"]):
-            ctx.phase("forward")
-            logits = model(ids)
-            with loss_parallel():
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-                ctx.phase("backward")
-                loss.backward()
-            ctx.phase("step")
-            opt.step()
-            opt.zero_grad()
-            local = (loss.to_local() if isinstance(loss, DTensor) else loss).detach().clone()
-            dist.all_reduce(local, group=mesh["dp"].get_group())                # mean over the dp micro-batches
-            losses.append(local / dp)
-    ctx.phase("gather")
-    out = {"losses": torch.stack(losses)}
-    with quiet_redistribute_warnings():             # a few final weights: step 2's gradients, each kind of style
-        for n, p in model.named_parameters():
-            if n in CHECKED_PARAMS:
-                out[f"param:{n}"] = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-    return out
-
-
 def _contract(cfg, t):
     mc = _cfg(cfg)
     ref = DecoderLayer(mc) if cfg["kind"] == "block" else ForCausalLM(mc)
@@ -334,7 +175,7 @@ for name, cfg, seed in [
         ("padding", {"kind": "padding", "B": 2, "T": 7, "model": {"num_hidden_layers": 1}}, 2),
         ("padding_hidden", {"kind": "padding", "B": 1, "T": 9, "model": {"vocab_size": 32, "num_hidden_layers": 1}}, None)]:
     register(Case(name=f"week07/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
-                  reference=_reference, run_rank=_run, expected=_expected, contract=_contract, seed=seed,
+                  reference=_reference, run_rank="run_plan", expected=_expected, contract=_contract, seed=seed,
                   hidden=seed is None, title={"block": "TP+SP block plan", "model": "full-model plan + loss parallel",
                                               "padding": "SP padding"}[cfg["kind"]], hints=_hints(cfg)))
 
@@ -343,6 +184,6 @@ for name, cfg, seed in [
         ("fsdp_tp_hidden", {"kind": "fsdp_tp", "B": 1, "T": 6, "dp": 2, "steps": 2, "lr": 0.3,
                             "model": {"num_hidden_layers": 1}}, None)]:
     register(Case(name=f"week07/{name}", module=MODULE, world_sizes=(4,), config=cfg, make_inputs=_inputs,
-                  reference=_reference, run_rank=_run_fsdp_tp, expected=_expected, contract=_contract_2d,
+                  reference=_reference, run_rank="run_fsdp_tp", expected=_expected, contract=_contract_2d,
                   seed=seed, hidden=seed is None, title="FSDP2 x TP training steps (dp=2, tp=2)",
                   hints=_hints(cfg)))

@@ -10,26 +10,11 @@ of (t-1)/t of the full weight per rank, and at most two full weights alive at on
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from grader.case import Case, Contract, register
 
-
-def _warm_imports():
-    """Rank processes only: pay DTensor's lazy imports (torch._dynamo, ...) before the per-item clock starts.
-
-    rank.py imports this module (get_case) before it arms the item timeout; a lazy import interrupted by
-    that alarm would leave torch._dynamo half-initialised for every later item.
-    """
-    import torch._dynamo  # noqa: F401
-    import torch.distributed.tensor  # noqa: F401
-    import torch.distributed._functional_collectives  # noqa: F401
-
-
-if os.environ.get("COURSE_JOB_ID"):
-    _warm_imports()
 
 MODULE = "gtp_linear"
 
@@ -58,30 +43,6 @@ def _reference(cfg, inp):
     h.backward(inp["dy"])
     out = {"y": h.detach(), "dx": x.grad}
     out.update({f"dW{i}": w.grad for i, w in enumerate(ws)})
-    return out
-
-
-def _run(mod, cfg, inp, ctx):
-    from grader.gtp_monitor import GatherWatch
-    chain = mod.GTPChain.from_dense(_weights(cfg, inp), group=ctx.group)
-    ctx.record_params(chain)
-    x = ctx.shard(inp["x"], 0).requires_grad_(True)                  # this rank's micro-batch
-    watch = GatherWatch()
-    with watch, watch.saved_hooks():
-        ctx.phase("forward")
-        y = chain(x)
-        fwd_peak = watch.peak_count
-        if cfg["backward"]:
-            ctx.phase("backward")
-            y.backward(ctx.shard(inp["dy"], 0))
-    out = {"y": y, "peak_gathered_weights": torch.tensor(float(watch.peak_count)),
-           "full_weights_saved_for_backward": torch.tensor(float(watch.saved_full))}
-    if cfg["backward"]:
-        out["dx"] = x.grad
-        shards = list(chain.parameters())
-        out.update({f"dW{i}": p.grad for i, p in enumerate(shards)})
-    else:
-        out["peak_gathered_weights"] = torch.tensor(float(fwd_peak))
     return out
 
 
@@ -135,6 +96,6 @@ for name, cfg, seed in [
         ("chain", {"dims": [16, 32, 24, 32, 16], "N": 8, "backward": True}, 1),
         ("chain_hidden", {"dims": [8, 16, 12, 24, 8, 12], "N": 12, "backward": True}, None)]:
     register(Case(name=f"week08/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
-                  reference=_reference, run_rank=_run, expected=_expected, contract=_contract, seed=seed,
+                  reference=_reference, run_rank="run_chain", expected=_expected, contract=_contract, seed=seed,
                   hidden=seed is None, title="GTP chain " + ("forward" if not cfg["backward"] else "forward + backward"),
                   hints=HINTS))

@@ -1,4 +1,4 @@
-"""Rank entry of a grading job: `python -m grader.rank JOBDIR` on every rank.
+"""Rank entry of a grading job: `python -m grader.rank.entry JOBDIR` on every rank.
 
 Each item of the job is a case at one tensor-parallel size t; the student gets a process
 group of t ranks (sub-groups when t is smaller than the job). Between items all ranks meet on
@@ -19,8 +19,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from grader.case import GradingError, RankContext, get_case
-from grader.ledger import CommLedger
+from grader.rank.context import GradingError, RankContext
+from tpkit.ledger import CommLedger
 
 
 def user_traceback(exc: BaseException, student_dir: str) -> str:
@@ -50,9 +50,11 @@ def _save(path: str, results: dict):
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
-    fd = _RESULT_FD
-    if fd:  # tell the launcher, over this rank's own pipe, what this rank wrote
-        os.write(int(fd), f"{os.path.basename(path)} {hashlib.sha256(data).hexdigest()}\n".encode())
+    line = f"{os.path.basename(path)} {hashlib.sha256(data).hexdigest()}"
+    if _RESULT_FD:  # tell the launcher, over this rank's own pipe, what this rank wrote
+        os.write(int(_RESULT_FD), (line + "\n").encode())
+    else:           # torchrun: on this rank's stdout, which torchrun prefixes with the rank
+        print(f"@@result {line}", flush=True)
 
 
 def main(jobdir: str) -> int:
@@ -86,14 +88,14 @@ def main(jobdir: str) -> int:
         if item["t"] not in groups:
             groups[item["t"]] = make_groups(item["t"])
 
-    out_path = os.path.join(jobdir, f"rank{rank}.pt")
-    progress = os.path.join(jobdir, f"rank{rank}.progress")
+    out_path = os.path.join(jobdir, "out", f"rank{rank}.pt")
+    progress = os.path.join(jobdir, "out", f"rank{rank}.progress")
     results: dict = {}
     sys.path.insert(0, student_dir)
     modules: dict = {}
     # the student's modules are imported once, before any item's clock starts (a slow import on a
     # loaded machine is not a hang); an import error becomes every dependent item's error
-    for name in dict.fromkeys(get_case(it["case"]).module for it in spec["items"]):
+    for name in dict.fromkeys(it["module"] for it in spec["items"]):
         with open(progress, "w") as f:
             json.dump({"item": None, "phase": "import", "where": f"importing {name}"}, f)
         try:
@@ -121,7 +123,6 @@ def main(jobdir: str) -> int:
         if plan is None:      # this rank sits the item out (e.g. t=3 on a 4-rank job)
             continue
         group, ranks = plan
-        case = get_case(item["case"])
         ledger = CommLedger(group_size=item["t"], progress_file=progress, label=item["id"])
         ctx = RankContext(rank=ranks.index(rank), world_size=item["t"],
                           group=group, device=device, ledger=ledger)
@@ -137,12 +138,13 @@ def main(jobdir: str) -> int:
         signal.signal(signal.SIGALRM, too_slow)
         signal.alarm(item_timeout)    # a Python-level hang; collectives have the process-group timeout
         try:
-            if isinstance(modules.get(case.module), BaseException):
-                raise modules[case.module]
+            if isinstance(modules.get(item["module"]), BaseException):
+                raise modules[item["module"]]
+            run_rank = getattr(importlib.import_module(f"grader.rank.{item['case'].split('/')[0]}"), item["run_rank"])
             inputs = {k: v.to(device) for k, v in inputs_all[item["id"]].items()}
             ledger.progress_file = progress
             with ledger:
-                out = case.run_rank(modules[case.module], item["config"], inputs, ctx)
+                out = run_rank(modules[item["module"]], item["config"], inputs, ctx)
             res["tensors"] = {k: (v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else None)
                               for k, v in out.items()}
         except BaseException as exc:  # SystemExit from student code too: it must not skip the report

@@ -1,6 +1,6 @@
-"""Week 7 helpers: DTensor meshes on a case's group, local shard shapes, SP padding, memory ledgers.
+"""DTensor helpers: meshes on a case's group, local shard shapes and grads, SP padding, memory ledgers.
 
-Shared by the Week 7 grader cases and the Week 7 lecture (never copied between notebooks).
+Shared by the Week 7 grader cases and lectures and by students (never copied between notebooks).
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from grader.ledger import CommLedger
-from grader.models import ModelConfig
+from tpkit.ledger import CommLedger
+from tpkit.models import ModelConfig
 
 
 def week07_config(**kw) -> ModelConfig:
@@ -73,7 +73,7 @@ def unsharded_linears(model: torch.nn.Module) -> list[str]:
 
 # CommLedger itself now sees collectives issued inside DTensor ops and sizes functional collectives
 # by their own group; the name stays for the lectures that import it.
-DTensorCommLedger = CommLedger
+CommLedger = CommLedger
 
 
 @contextmanager
@@ -170,19 +170,3 @@ class SavedActivations:
         for h in self._handles:
             h.remove()
         return self._ctx.__exit__(*exc)
-
-
-def tp_only_plans():
-    """Megatron-style TP without SP (Weeks 3-4) as plans: (block plan, top-level plan).
-
-    Activations stay replicated between sub-blocks, so no PrepareModuleInput is needed and the norms
-    stay plain modules; each sub-block ends in an all-reduce (RowwiseParallel's default Replicate output).
-    """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    block = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
-    block.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
-                  "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
-    top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-           "lm_head": ColwiseParallel(use_local_output=False)}       # vocab-sharded DTensor for loss_parallel
-    return block, top

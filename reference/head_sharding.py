@@ -1,6 +1,6 @@
-"""Week 3 references: the dense attention / decoder block, and what each TP rank must hold.
+"""Head sharding for TP attention (Week 3): which heads a rank holds, and the dense references the grader uses.
 
-Computed in the trusted process from the dense module (grader.models), never from a
+Computed in the trusted process from the dense module (tpkit.models), never from a
 student's shards. Head sharding (Megatron-LM, Shoeybi et al. 2019, Sec. 3): rank r of t
 owns query heads [r nh/t, (r+1) nh/t) and the key/value heads those queries read.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from grader.models import Attention, DecoderLayer, ModelConfig
+from tpkit.models import Attention, DecoderLayer, ModelConfig
 
 
 def kv_heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, world: int) -> tuple[int, int]:
@@ -32,7 +32,7 @@ def model_config(cfg: dict) -> ModelConfig:
 
 
 def build(kind: str, cfg: dict, weights: dict) -> torch.nn.Module:
-    """The dense module with the case's weights (names as in grader.models, prefix `w.`)."""
+    """The dense module with the case's weights (names as in tpkit.models, prefix `w.`)."""
     mc = model_config(cfg)
     m = Attention(mc) if kind == "attention" else DecoderLayer(mc)
     m.load_state_dict({k[2:]: v for k, v in weights.items() if k.startswith("w.")})

@@ -1,7 +1,7 @@
-"""Strong-scaling benchmark of one decoder block (Week 3 lecture): `python -m grader.block_bench OUT.json`.
+"""Strong-scaling benchmark of one decoder block (Week 3 lecture): `python -m reference.block_bench OUT.json`.
 
-Run on n ranks (launch.run("grader.block_bench", n, [path])): n = 1 times the dense
-`grader.models.DecoderLayer`, n > 1 the Megatron TP block (`grader.sp_ops.ParallelDecoderLayer(mode="tp")`),
+Run on n ranks (launch.run("reference.block_bench", n, [path])): n = 1 times the dense
+`tpkit.models.DecoderLayer`, n > 1 the Megatron TP block (`reference.sp_layers.ParallelDecoderLayer(mode="tp")`),
 forward + backward, one thread per rank, every rank busy (no idle rank polling a barrier).
 Each iteration starts after a barrier; the result is the median after warm-up, the max over
 ranks (a step ends when its slowest rank ends). Also times one all-reduce of (B, T, C) alone.
@@ -31,8 +31,8 @@ def median_time(fn, warmup: int, iters: int, sync: bool) -> float:
 
 def main(out_path: str, B: int = 2, T: int = 128, C: int = 256, F: int = 1024, warmup: int = 3, iters: int = 10) -> int:
     from launch.dist import init_process_group
-    from grader.models import DecoderLayer, ModelConfig, init_weights
-    from grader.sp_ops import ParallelDecoderLayer
+    from tpkit.models import DecoderLayer, ModelConfig, init_weights
+    from reference.sp_layers import ParallelDecoderLayer
     rank, world, _ = init_process_group()
     torch.set_num_threads(1)
     cfg = ModelConfig(hidden_size=C, intermediate_size=F, num_attention_heads=8, num_key_value_heads=4)

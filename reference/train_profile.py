@@ -1,23 +1,22 @@
-"""Training-loop profile: one small LM, same data and seed, four modes; `python -m grader.train_profile`.
+"""Training-loop profile: one small LM, same data and seed, four modes; `python -m reference.train_profile`.
 
-Modes: `none` (the dense `grader.models` layers, every rank alone), `tp` (Megatron TP: all-reduces),
+Modes: `none` (the dense `tpkit.models` layers, every rank alone), `tp` (Megatron TP: all-reduces),
 `tp_sp` (TP + sequence parallel: all-gather / reduce-scatter), `tp_sp_overlap` (the same with the ring
-AG+GEMM / GEMM+RS of `grader.overlap_ops`). Per step it records the loss, the global gradient norm (taken
+AG+GEMM / GEMM+RS of `reference.overlap`). Per step it records the loss, the global gradient norm (taken
 BEFORE zero_grad: after it every grad is zero), the step time (median over steps after warm-up;
 `torch.cuda.synchronize()` before each clock read on GPUs), and memory per rank: on CUDA
 `torch.cuda.max_memory_allocated`; on CPU the bytes of parameters + grads + AdamW states + the tensors
 autograd saved for backward (there is no CPU allocator high-water mark to read).
 
-    python -m grader.train_profile                 # 2 ranks, 20 steps, figure + JSON in a temp dir
-    python -m grader.train_profile --nproc 4 --steps 40 --out /tmp/profile
+    python -m reference.train_profile                 # 2 ranks, 20 steps, figure + JSON in a temp dir
+    python -m reference.train_profile --nproc 4 --steps 40 --out /tmp/profile
 On GPUs the same run under Nsight Systems:
-    nsys profile -t cuda,nvtx,osrt -o tp_profile python -m grader.train_profile --nproc 4
+    nsys profile -t cuda,nvtx,osrt -o tp_profile python -m reference.train_profile --nproc 4
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -29,8 +28,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from grader.models import DecoderLayer, ModelConfig, RMSNorm, init_weights
-from grader.sp_ops import ParallelDecoderLayer, saved_activation_bytes
+from tpkit.models import DecoderLayer, ModelConfig, RMSNorm, init_weights
+from reference.sp_layers import ParallelDecoderLayer
+from tpkit.memory import saved_activation_bytes
 
 MODES = ("none", "tp", "tp_sp", "tp_sp_overlap")
 CFG = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
@@ -195,7 +195,7 @@ def table(data) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m grader.train_profile", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m reference.train_profile", description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=4)
@@ -210,7 +210,7 @@ def main(argv=None):
     out = a.out or tempfile.mkdtemp(prefix="train-profile-")
     os.makedirs(out, exist_ok=True)
     js = os.path.join(out, "profile.json")
-    res = run("grader.train_profile", a.nproc, ["--steps", str(a.steps), "--batch", str(a.batch), "--seq", str(a.seq),
+    res = run("reference.train_profile", a.nproc, ["--steps", str(a.steps), "--batch", str(a.batch), "--seq", str(a.seq),
                                                 "--worker", js], timeout=300)
     if not res.ok:
         print(res.root_cause(), file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Tensor- and sequence-parallel blocks built from `grader.models.DecoderLayer` (lectures, training profile).
+"""Tensor- and sequence-parallel blocks built from `tpkit.models.DecoderLayer` (lectures, training profile).
 
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.2.2):
 under plain TP (Megatron, Shoeybi et al. 2019) the norm and residual regions hold the full (B, T, C)
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from grader.models import DecoderLayer, apply_rotary, causal_attention, rotary_cos_sin
+from tpkit.models import DecoderLayer, apply_rotary, causal_attention, rotary_cos_sin
 
 
 def all_gather_seq(x, group=None):
@@ -142,7 +142,7 @@ class ParallelDecoderLayer(nn.Module):
     sp: input/output (B, T/t, C); AG before the column GEMMs, RS after the row GEMMs,
         norm-weight grads all-reduced. regather=True saves only the local block for the column
         GEMMs' dW and all-gathers it again in backward (Megatron's choice). overlap=True swaps AG+GEMM and GEMM+RS for the ring
-        versions of `grader.overlap_ops` (week 6).
+        versions of `reference.overlap` (week 6).
     """
 
     def __init__(self, dense: DecoderLayer, group=None, mode: str = "sp", overlap: bool = False,
@@ -172,7 +172,7 @@ class ParallelDecoderLayer(nn.Module):
         if self.mode == "tp":
             return F.linear(CopyToTP.apply(x, self.group), w)
         if self.overlap:
-            from grader.overlap_ops import all_gather_linear
+            from reference.overlap import all_gather_linear
             return all_gather_linear(x, w, self.group)
         if self.regather:
             return GatherLinearSaveLocal.apply(x, w, self.group)
@@ -182,7 +182,7 @@ class ParallelDecoderLayer(nn.Module):
         if self.mode == "tp":
             return ReduceFromTP.apply(F.linear(y, w), self.group)
         if self.overlap:
-            from grader.overlap_ops import linear_reduce_scatter
+            from reference.overlap import linear_reduce_scatter
             return linear_reduce_scatter(y, w, self.group)
         return ReduceScatterToSequence.apply(F.linear(y, w), self.group)
 
@@ -207,55 +207,3 @@ class ParallelDecoderLayer(nn.Module):
         n = rms_norm(h, self._norm_weight(self.post_attention_layernorm_weight), self.eps)
         gate, up = self._column(n, self.gate_up_weight).split(self.ffn, dim=-1)      # (B, T, F/t) each
         return h + self._row(F.silu(gate) * up, self.down_weight)
-
-
-# -- activation memory (what autograd keeps for backward) ------------------------------------------
-def saved_activation_bytes(fn, *params) -> int:
-    """Bytes of the distinct tensors autograd saves while `fn()` runs, parameters excluded.
-
-    Distinct = by storage (a view of a saved tensor is not counted twice). Parameters are
-    weights, not activations; the paper's count leaves them out too.
-    """
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    del out
-    return sum(seen.values())
-
-
-def korthikanti_bytes(s, b, h, a, t=1, mode="none") -> float:
-    """Table 2 of Korthikanti et al. 2022, bytes per layer (16-bit activations, 1-byte dropout masks)."""
-    att = 5 * a * s / h
-    per = {"none": 34 + att, "tp": 10 + 24 / t + att / t, "sp": 34 / t + att / t}[mode]
-    return s * b * h * per
-
-
-def course_bytes(s, b, h, ffn, a, hs, t=1, mode="none") -> float:
-    """What `saved_activation_bytes` should find for one `grader.models.DecoderLayer` (fp32, no dropout).
-
-    Per norm: input, x/rms (s b h each), 1/rms (s b); then the normed, weighted input of each column group
-    (s b h, shared by q/k/v or by gate/up). Attention: rotated q, k and v repeated to all a heads (s b h each:
-    GQA saves full-head k/v), softmax output (a b s^2), the input of o_proj (s b h), the causal mask (s^2
-    bool), cos/sin (2 s hs). MLP (SwiGLU): gate, silu(gate), up, their product (s b F each).
-    TP splits heads and FFN columns; the norm regions and the GEMM inputs stay whole on every rank. SP splits
-    the norm regions too, but a column GEMM that saves its GATHERED input keeps s b h per group;
-    mode="sp_regather" saves only the local block (and all-gathers it again in backward).
-    """
-    split = (4 * b * s * h + 4 * b * s * ffn + a * b * s * s) / t      # q, k, v, o-input, MLP, softmax
-    norms = 2 * (2 * b * s * h + b * s)                                 # two norms: input, x/rms, 1/rms
-    gemm_in = 2 * b * s * h                                             # input of the q/k/v and gate/up groups
-    if mode in ("none", "tp"):
-        elems = split + norms + gemm_in
-    elif mode == "sp":
-        elems = split + norms / t + gemm_in
-    else:
-        elems = split + (norms + gemm_in) / t
-    return 4 * elems + s * s + 4 * 2 * s * hs

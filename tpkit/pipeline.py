@@ -1,8 +1,9 @@
-"""Pipeline schedules as data: generate them, execute them, measure their bubble.
+"""Pipeline schedules executed as data: simulate them, measure their bubble, split a model into stages.
 
 A schedule is one list of actions per pipeline rank (stage). An action is a tuple
 `(kind, mb)` or `(kind, mb, chunk)`: kind "F" (forward) or "B" (backward) of micro-batch
 `mb`, on model chunk `chunk` (0 unless interleaved: rank r holds chunks r, r+p, r+2p, ...).
+The schedules themselves (GPipe, 1F1B, interleaved) are `reference.schedules`.
 
 `simulate` executes the lists as a real pipeline would: each rank runs its list in order,
 and an action starts when its rank is free and its inputs exist:
@@ -18,59 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-
-
-def gpipe(p: int, m: int) -> list[list[tuple]]:
-    """All forwards, then all backwards (GPipe, Huang et al. 2019): m activations in flight."""
-    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
-
-
-def one_f_one_b(p: int, m: int) -> list[list[tuple]]:
-    """1F1B / PipeDream-Flush (Narayanan et al. 2021): rank s runs p-s-1 warm-up forwards,
-    then alternates one forward and one backward, then drains the remaining backwards.
-    At most p - s micro-batches are in flight on rank s (GPipe: m)."""
-    out = []
-    for s in range(p):
-        warm = min(p - s - 1, m)
-        acts = [("F", i) for i in range(warm)]
-        f, b = warm, 0
-        while f < m:                       # steady state: one forward, one backward
-            acts += [("F", f), ("B", b)]
-            f, b = f + 1, b + 1
-        acts += [("B", i) for i in range(b, m)]  # cool-down
-        out.append(acts)
-    return out
-
-
-def interleaved_1f1b(p: int, m: int, v: int) -> list[list[tuple]]:
-    """Interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2.2): v chunks per rank, m % p == 0.
-
-    Micro-batches go through the chunks in groups of p: rank r runs forwards of mbs 0..p-1 on
-    chunk 0, then the same mbs on chunk 1, ...; backwards walk the chunks in reverse.
-    Warm-up: (p - r - 1) * 2 + (v - 1) * p forwards (Megatron-LM's count)."""
-    if m % p:
-        raise ValueError(f"interleaved 1F1B needs m % p == 0 (m={m}, p={p})")
-    total = m * v
-
-    def fwd(k):        # k-th forward on a rank -> (mb, chunk)
-        grp, within = divmod(k, p * v)
-        return grp * p + within % p, within // p
-
-    def bwd(k):
-        mb, c = fwd(k)
-        return mb, v - 1 - c
-
-    out = []
-    for r in range(p):
-        warm = min((p - r - 1) * 2 + (v - 1) * p, total)
-        acts = [("F", *fwd(k)) for k in range(warm)]
-        f, b = warm, 0
-        while f < total:
-            acts += [("F", *fwd(f)), ("B", *bwd(b))]
-            f, b = f + 1, b + 1
-        acts += [("B", *bwd(k)) for k in range(b, total)]
-        out.append(acts)
-    return out
 
 
 @dataclass

@@ -167,26 +167,3 @@ class TensorParallelMLP(torch.nn.Module):
 
     def forward(self, x):                                   # (..., h)
         return self.fc2(F.gelu(self.fc1(x)))                # (..., f/t) inside, (..., h) out
-
-
-def parameter_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def saved_activation_bytes(fn, module: torch.nn.Module | None = None) -> tuple[int, object]:
-    """(bytes autograd keeps for backward while `fn()` runs, excluding `module`'s parameters; fn()).
-
-    Counts each storage once (a tensor saved by two ops is one buffer in memory).
-    """
-    params = {p.data_ptr() for p in module.parameters()} if module is not None else set()
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out

@@ -1,0 +1,62 @@
+"""Week 5 on a rank: call the student's GatherFromSequence / ReduceScatterToSequence on this rank's sequence
+block (and the per-rank summands) forward and backward; or build the dense DecoderLayer from the case's
+weight seed, shard it with SPDecoderLayer.from_dense, feed it this rank's block of positions (cut by the
+student's pad_and_split when T is not divisible by t) and return the output block, its input grad, this
+rank's weight-grad shards and the replicated norm-weight grads. The dense layer and the pad rule live
+here, and the trusted side imports them."""
+from __future__ import annotations
+
+import torch
+
+from tpkit.models import DecoderLayer, ModelConfig, init_weights
+
+COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW = ("self_attn.o_proj", "mlp.down_proj")
+NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def dense_layer(cfg, inp):
+    mc = ModelConfig(hidden_size=cfg["C"], intermediate_size=cfg["F"], num_attention_heads=cfg["nh"],
+                     num_key_value_heads=cfg["nkv"])
+    return init_weights(DecoderLayer(mc), int(inp["wseed"][0]))
+
+
+def pad_seq(x, t):
+    """Zero-pad dim 1 (T) at the end to a multiple of t."""
+    return torch.nn.functional.pad(x, (0, 0, 0, -x.shape[1] % t))
+
+
+def run_sequence_ops(mod, cfg, inp, ctx):
+    r = ctx.rank
+    x = ctx.shard(inp["x"], 1).clone().requires_grad_(True)
+    xr = inp["xs"][r].clone().requires_grad_(True)
+    ctx.phase("forward")
+    y_gather = mod.GatherFromSequence.apply(x, ctx.group)
+    y_rs = mod.ReduceScatterToSequence.apply(xr, ctx.group)
+    ctx.phase("backward")
+    y_gather.backward(inp["dys"][r])
+    y_rs.backward(ctx.shard(inp["dy"], 1))
+    return {"y_gather": y_gather, "dx_gather": x.grad, "y_reduce_scatter": y_rs, "dx_reduce_scatter": xr.grad}
+
+
+def run_block(mod, cfg, inp, ctx):
+    layer = mod.SPDecoderLayer.from_dense(dense_layer(cfg, inp), group=ctx.group)
+    ctx.record_params(layer)
+    out = {}
+    if cfg.get("uneven"):
+        x_block = mod.pad_and_split(inp["x"], ctx.group)
+        out["x_block"] = x_block
+        dy = ctx.shard(pad_seq(inp["dy"], ctx.world_size), 1)
+    else:
+        x_block, dy = ctx.shard(inp["x"], 1), ctx.shard(inp["dy"], 1)
+    x = x_block.detach().clone().requires_grad_(True)
+    ctx.phase("forward")
+    y = layer(x)
+    ctx.phase("backward")
+    y.backward(dy)
+    params = dict(layer.named_parameters())
+    out.update({"y": y, "dx": x.grad})
+    for name in COLUMN + ROW + NORMS:
+        p = params.get(f"{name}.weight")
+        out[f"d{name.split('.')[-1]}"] = None if p is None else p.grad
+    return out

@@ -1,0 +1,87 @@
+"""Week 6 on a rank: call the student's ring_all_gather_matmul / matmul_reduce_scatter on this rank's shards
+(forward only), then recompute the non-overlapped version (all-gather then F.linear per block, or F.linear
+per block then reduce-scatter) in the "harness" phase the contract ignores, to report bit-exactness at
+t = 2; or build OverlapColumnParallelLinear / OverlapRowParallelLinear from the dense weight and return
+output, input grad and weight grad after forward and backward."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+# -- the non-overlapped version, with plain collectives (all_gather_single / reduce_scatter_single split
+# dim 0, so the sequence dim is moved to the front) --------------------------------------------------------
+def _all_gather_seq(x, group):
+    """(B, T/t, C) -> (B, T, C): every rank's sequence block, in rank order."""
+    t = dist.get_world_size(group)
+    xs = x.transpose(0, 1).contiguous()                                  # (T/t, B, C)
+    out = xs.new_empty((t * xs.shape[0],) + tuple(xs.shape[1:]))         # (T, B, C)
+    dist.all_gather_single(out, xs, group=group)
+    return out.transpose(0, 1).contiguous()                              # (B, T, C)
+
+
+def _reduce_scatter_seq(x, group):
+    """(B, T, C) partial sums -> (B, T/t, C): this rank's block of the summed tensor."""
+    t = dist.get_world_size(group)
+    xs = x.transpose(0, 1).contiguous()                                  # (T, B, C)
+    out = xs.new_empty((xs.shape[0] // t,) + tuple(xs.shape[1:]))        # (T/t, B, C)
+    dist.reduce_scatter_single(out, xs, group=group)
+    return out.transpose(0, 1).contiguous()                              # (B, T/t, C)
+
+
+def _plain_ag(x_s, w, group):
+    x_full = _all_gather_seq(x_s, group)
+    t = x_full.shape[1] // x_s.shape[1]
+    return torch.cat([F.linear(c.contiguous(), w) for c in x_full.chunk(t, dim=1)], dim=1)
+
+
+def _plain_rs(x, w, t, group):
+    return _reduce_scatter_seq(torch.cat([F.linear(c.contiguous(), w) for c in x.chunk(t, dim=1)], dim=1), group)
+
+
+def _same_bits(got, plain):
+    return torch.tensor([int(isinstance(got, torch.Tensor) and got.shape == plain.shape and torch.equal(got, plain))])
+
+
+# -- the two ring functions (forward only) --------------------------------------------------------
+def run_ag_matmul(mod, cfg, inp, ctx):
+    x_s, w = ctx.shard(inp["x"], 1), ctx.shard(inp["W"], 0)
+    ctx.phase("forward")
+    y, x_full = mod.ring_all_gather_matmul(x_s, w, ctx.group)
+    ctx.phase("harness")                     # the non-overlapped version, outside the contract's phases
+    plain = _plain_ag(x_s, w, ctx.group)
+    out = {"y": y, "x_full": x_full}
+    if ctx.world_size == 2:
+        out["same_bits_as_plain"] = _same_bits(y, plain)
+    return out
+
+
+def run_matmul_rs(mod, cfg, inp, ctx):
+    x, w = ctx.shard(inp["x"], 2), ctx.shard(inp["W"], 1)
+    ctx.phase("forward")
+    y = mod.matmul_reduce_scatter(x, w, ctx.group)
+    ctx.phase("harness")
+    out = {"y": y}
+    if ctx.world_size == 2:
+        out["same_bits_as_plain"] = _same_bits(y, _plain_rs(x, w, 2, ctx.group))
+    else:
+        _plain_rs(x, w, ctx.world_size, ctx.group)   # same collectives on every rank in every case
+    return out
+
+
+# -- the linears (forward + backward) -------------------------------------------------------------
+def run_linear(mod, cfg, inp, ctx):
+    dense = torch.nn.Linear(cfg["in"], cfg["out"], bias=False)
+    with torch.no_grad():
+        dense.weight.copy_(inp["W"])
+    column = cfg["kind"] == "column"
+    cls = mod.OverlapColumnParallelLinear if column else mod.OverlapRowParallelLinear
+    layer = cls.from_dense(dense, group=ctx.group)
+    ctx.record_params(layer)
+    x = (ctx.shard(inp["x"], 1) if column else ctx.shard(inp["x"], 2)).clone().requires_grad_(True)
+    ctx.phase("forward")
+    y = layer(x)
+    ctx.phase("backward")
+    y.backward(ctx.shard(inp["dy"], 2) if column else ctx.shard(inp["dy"], 1))
+    return {"y": y, "dx": x.grad, "dW": layer.weight.grad}

@@ -1,0 +1,137 @@
+"""Week 9 on a rank: execute the student's gpipe / one_f_one_b schedules with tpkit.pipeline.simulate and
+return what the simulation saw (where it got stuck, whether every action ran once, the bubble, the peak
+activations in flight); or run stage `rank` of the course model through the student's run_pipeline and
+return the loss (last stage), the bytes this stage sent, any collective other than send/recv and the
+stage's weight grads; or call the student's memory_per_gpu / step_time / plan on the planner scenarios.
+The tensor names, the model, the loss and the scenarios live here, and the trusted side imports them."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tpkit import pipeline as pl
+from tpkit import topology as topo
+from tpkit.models import ForCausalLM, ModelConfig, init_weights
+
+# tensor names say what they hold: integer mismatches are reported without the hint text
+STUCK = "stuck at (stage, position); -1 = never stuck"
+ONCE = "runs each F(mb) and B(mb) once on every stage (1 = yes)"
+BUBBLE = "bubble fraction"
+PEAK = "peak activations in flight per stage"
+BYTES = "bytes sent by this stage"
+OTHER = "collectives other than send/recv"
+GRADS = "weight grads of this stage (flattened)"
+
+
+# -- task 1: schedules -------------------------------------------------------------
+def run_schedule(mod, cfg, inp, ctx):
+    out = {}
+    for kind, p, m in cfg["schedules"]:
+        sched = getattr(mod, "one_f_one_b" if kind == "1f1b" else "gpipe")(p, m)
+        if not isinstance(sched, (list, tuple)) or len(sched) != p:
+            raise TypeError(f"{kind}(p={p}, m={m}) must return a list of {p} per-stage action lists; "
+                            f"got {type(sched).__name__} of length {len(sched) if hasattr(sched, '__len__') else '?'}")
+        tl = pl.simulate(sched, m=m)
+        key = f"{kind}(p={p},m={m}) "
+        out[key + STUCK] = torch.tensor(list(tl.stuck[:2]) if tl.stuck else [-1, -1])
+        out[key + ONCE] = torch.tensor(int(not any("never" in q or "times" in q or "outside" in q
+                                                   for q in tl.problems)))
+        out[key + BUBBLE] = torch.tensor(tl.bubble_fraction if not tl.stuck else math.nan, dtype=torch.float64)
+        out[key + PEAK] = torch.tensor(tl.peak_in_flight)
+    return out
+
+
+# -- task 2: a pipeline over send/recv ---------------------------------------------
+def build_model(cfg, seed):
+    return init_weights(ForCausalLM(ModelConfig(**cfg["model"])), int(seed))
+
+
+def loss_fn(logits, target):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())   # (b*T, V) vs (b*T,)
+
+
+def run_pipeline(mod, cfg, inp, ctx):
+    s, p, m = ctx.rank, ctx.world_size, cfg["micro_batches"]
+    stage = pl.split_stage(build_model(cfg, inp["weight_seed"]), p, s)
+    mbs = list(inp["ids"].chunk(m)) if s == 0 else None                 # m x (b, T)
+    tgts = list(inp["targets"].chunk(m)) if s == p - 1 else None
+    act_shape = (cfg["batch"] // m, cfg["seq"], cfg["model"]["hidden_size"])
+    ctx.phase("step")
+    loss = mod.run_pipeline(stage, mbs, tgts, m, act_shape, loss_fn, group=ctx.group)
+    # Stages legitimately issue different P2P sequences (stage 0 only sends activations, the last stage
+    # only sends grads): summarise the ledger here so the collective-desync report does not misfire.
+    entries = list(ctx.ledger.entries)
+    ctx.ledger.entries.clear()
+    grads = [prm.grad for _, prm in stage.named_parameters()]
+    out = {}
+    if s == p - 1:
+        out["loss"] = loss.reshape(()) if isinstance(loss, torch.Tensor) else None
+    out[BYTES] = torch.tensor(sum(e["sent"] for e in entries), dtype=torch.float64)
+    out[OTHER] = torch.tensor(float(sum(e["op"] not in ("send", "recv") for e in entries)), dtype=torch.float64)
+    out[GRADS] = None if any(g is None for g in grads) else torch.cat([g.flatten() for g in grads])
+    return out
+
+
+# -- task 3: the planner ---------------------------------------------------------------
+GB = topo.GB
+SCENARIOS = {
+    "too_big": (topo.ModelSpec("1T", 1e12, 128, 25600, 160, 2048, global_batch=512), topo.ClusterSpec(n_nodes=1),
+                [(8, 1, 1)]),
+    "4gpu_nodes": (topo.ModelSpec("20B", 20e9, 8, 6144, 48, 2048, global_batch=32, micro_batch=1),
+                   topo.ClusterSpec(n_nodes=8, gpus_per_node=4, gpu_mem=40 * GB), [(4, 4, 2)]),
+    "70b_16x8": (topo.LLAMA_70B, topo.H100_16x8, [(8, 2, 8), (2, 8, 8)]),
+    "1b_2x8": (topo.ModelSpec("1.3B", 1.3e9, 24, 2048, 16, 2048, global_batch=256), topo.ClusterSpec(n_nodes=2),
+               [(1, 1, 16), (2, 4, 2)]),
+}
+SCENARIOS_HIDDEN = {
+    "13b_4x8": (topo.ModelSpec("13B", 13e9, 40, 5120, 40, 4096, global_batch=512), topo.ClusterSpec(n_nodes=4),
+                [(4, 2, 4), (1, 1, 32)]),
+    "70b_2x8_40g": (topo.ModelSpec("70B", 70e9, 80, 8192, 64, 4096, global_batch=64),
+                    topo.ClusterSpec(n_nodes=2, gpu_mem=40 * GB, mfu=0.5), [(8, 2, 1)]),
+    "8b_2x4": (topo.ModelSpec("8B", 8e9, 32, 4096, 32, 8192, global_batch=64, micro_batch=2),
+               topo.ClusterSpec(n_nodes=2, gpus_per_node=4, bw_inter=25 * GB), [(4, 1, 2), (2, 2, 2)]),
+}
+SCENARIOS_ALL = {**SCENARIOS, **SCENARIOS_HIDDEN}
+_KEYS = ("weights", "grads", "optimizer", "activations")
+
+
+def _plan_tensors(pln, model, cluster):
+    if pln is None:
+        return {"plan keeps TP inside a node (1 = yes)": torch.tensor(1.0, dtype=torch.float64),
+                "plan fits in gpu_mem (1 = yes)": torch.tensor(1.0, dtype=torch.float64),
+                "plan (tp, pp, dp); 0 = None": torch.tensor([0, 0, 0]),
+                "plan memory GB": torch.zeros(4, dtype=torch.float64),
+                "plan step time s": torch.tensor(0.0, dtype=torch.float64)}
+    tp, pp, dp = int(pln.tp), int(pln.pp), int(pln.dp)
+    mem = [float(pln.memory[k]) / GB for k in _KEYS]
+    inside = tp <= cluster.gpus_per_node and cluster.gpus_per_node % tp == 0
+    return {"plan keeps TP inside a node (1 = yes)": torch.tensor(float(inside), dtype=torch.float64),
+            "plan fits in gpu_mem (1 = yes)": torch.tensor(float(sum(mem) * GB <= cluster.gpu_mem), dtype=torch.float64),
+            "plan (tp, pp, dp); 0 = None": torch.tensor([tp, pp, dp]),
+            "plan memory GB": torch.tensor(mem, dtype=torch.float64),
+            "plan step time s": torch.tensor(float(pln.time["step"]) if isinstance(pln.time, dict) else math.nan,
+                                             dtype=torch.float64)}
+
+
+def planner_tensors(fns, scenario_names):
+    """(memory_per_gpu, step_time, plan) on the named scenarios: the rank calls it with the student's
+    functions, the trusted side with the reference planner's."""
+    memory_per_gpu, step_time, plan = fns
+    out = {}
+    for key in scenario_names:
+        model, cluster, layouts = SCENARIOS_ALL[key]
+        for k, v in _plan_tensors(plan(model, cluster), model, cluster).items():
+            out[f"{key} {k}"] = v
+        for tp, pp, dp in layouts:
+            mem = memory_per_gpu(model, cluster, tp, pp, dp)
+            out[f"{key} memory_per_gpu GB (tp={tp},pp={pp},dp={dp})"] = torch.tensor(
+                [float(mem[k]) / GB for k in _KEYS], dtype=torch.float64)
+            st = step_time(model, cluster, tp, pp, dp)
+            out[f"{key} step_time s (tp={tp},pp={pp},dp={dp})"] = torch.tensor(
+                float(st["step"] if isinstance(st, dict) else st), dtype=torch.float64)
+    return out
+
+
+def run_planner(mod, cfg, inp, ctx):
+    return planner_tensors((mod.memory_per_gpu, mod.step_time, mod.plan), cfg["scenarios"])
