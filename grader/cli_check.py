@@ -15,6 +15,7 @@ def _execute(path: str, backend: str | None, out: str | None) -> str | None:
     """Run the notebook with papermill (in-kernel checks deferred). Returns an error summary or None."""
     import papermill as pm
     import shutil
+    from grader.kernel_box import BoxedKernelManager
     work = tempfile.mkdtemp(prefix="grader-check-")
     out = out or os.path.join(work, os.path.basename(path))
     # run in a scratch folder: the notebook's %%writefile cells must not write beside the original
@@ -25,8 +26,8 @@ def _execute(path: str, backend: str | None, out: str | None) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pm.execute_notebook(path, out, parameters=params, cwd=work,
-                                progress_bar=False, log_output=False, kernel_name="python3")
+            pm.execute_notebook(path, out, parameters=params, cwd=work, progress_bar=False, log_output=False,
+                                kernel_name="python3", kernel_manager_class=BoxedKernelManager)
         return None
     except Exception as exc:  # papermill stops at the first error; the checks below still run
         first = str(exc).strip().splitlines()

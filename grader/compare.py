@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from grader.case import Case, Contract
+from tpkit.selfcheck import NOT_AT_GRADING
 
 
 @dataclass
@@ -129,6 +130,10 @@ def last_collective(res: dict) -> str:
     return f"collective #{n + 1} (after {n} that completed)" if n else "its first collective"
 
 
+# an import of a course package that grading ranks cannot see
+_COURSE_IMPORT = re.compile(rf"^\s*(?:from|import)\s+((?:{'|'.join(NOT_AT_GRADING)})(?:\.\w+)*)", re.M)
+
+
 def describe_error(tb: str, rank, res: dict | None = None) -> str:
     """A student's exception, short: a stub says what to write, anything else keeps its traceback."""
     lines = tb.rstrip().splitlines()
@@ -140,6 +145,10 @@ def describe_error(tb: str, rank, res: dict | None = None) -> str:
             if m:
                 where = f"`{m.group(3)}` ({os.path.basename(m.group(1))} line {m.group(2)})"
         return f"rank {rank}: not implemented yet: {where} raises {last}"
+    course = _COURSE_IMPORT.findall(tb) if last.startswith(("ModuleNotFoundError", "ImportError")) else []
+    if course:
+        return (f"rank {rank}: your module imports `{course[-1]}`, the course's own code, which is not there when "
+                "grading: only torch, the standard library and the teaching library `tpkit` are. Write it yourself.")
     if last.startswith("SystemExit"):
         return (f"rank {rank}: your code called sys.exit() ({last}); a layer must return its result, "
                 "never end the process.")

@@ -1,7 +1,8 @@
 """nbgrader autograde, the trusted way.
 
-`DeferredExecute` runs the student's notebook as nbgrader always does, but tells the
-in-kernel `check()` to stand down (it would only be a self-check anyway).
+`DeferredExecute` runs the student's notebook as nbgrader always does, but in a boxed kernel
+(`grader.kernel_box`) that sees no course, gradebook or home, and tells the in-kernel `check()`
+to stand down (it would only be a self-check anyway).
 `TrustedChecks` then rebuilds the student's modules from the notebook JSON, runs every
 grade cell's checks in one job outside the kernel, and writes each verdict into that
 grade cell's outputs, which `SaveAutoGrades` scores: an error output scores 0.
@@ -18,6 +19,13 @@ from grader.notebook import grade_cells, module_sources
 
 
 class DeferredExecute(Execute):
+    """nbgrader's Execute with the kernel in a box (`grader.kernel_box`) and in-kernel checks deferred."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        from grader.kernel_box import BoxedKernelManager
+        self.kernel_manager_class = BoxedKernelManager
+
     def preprocess(self, nb, resources):
         old = os.environ.get("GRADER_DEFER_CHECKS")
         os.environ["GRADER_DEFER_CHECKS"] = "1"

@@ -156,7 +156,7 @@ class Sandbox:
                 self.env["COURSE_RANK_UID"] = str(self.uid)
         self._cgroup()
         args = [bwrap, "--die-with-parent", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                "--new-session"]
+                "--new-session", "--hostname", "localhost"]
         if os.geteuid() != 0:
             args += ["--unshare-user"]          # an unprivileged bubblewrap needs its own user namespace
         for path in SYSTEM:

@@ -28,6 +28,24 @@ from grader.nbgrader_tools import ROOT
 from grader.notebook import _WRITEFILE, cell_source, module_sources
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+# a private file of the grading user's, as an instructor's token would be: no student code may read it
+PLANTED = os.path.join(os.path.expanduser("~"), ".grader-corpus-secret")
+SECRET = "instructor-only-7f3a"
+
+
+def plant_secret() -> str:
+    with open(PLANTED, "w") as f:
+        f.write(SECRET)
+    os.chmod(PLANTED, 0o600)
+    return PLANTED
+
+
+def expand(text: str, course: str | None = None) -> str:
+    """Fill a fixture's placeholders with this machine's paths (@@REPO@@, @@PLANTED@@, @@HOME@@, @@COURSE@@)."""
+    for key, value in {"@@REPO@@": ROOT, "@@PLANTED@@": PLANTED, "@@HOME@@": os.path.expanduser("~"),
+                       "@@COURSE@@": course or "/nonexistent-course"}.items():
+        text = text.replace(key, value)
+    return text
 
 
 def load_manifest(week: str) -> dict:
@@ -73,7 +91,7 @@ def solution_modules(week: str) -> dict[str, str]:
     return {k: re.sub(r"[ \t]*### (BEGIN|END) SOLUTION\n", "", v) for k, v in module_sources(sol).items()}
 
 
-def build(week: str, spec: dict):
+def build(week: str, spec: dict, course: str | None = None):
     _, rel = lab_notebooks(week)
     nb = copy.deepcopy(rel)
     if spec.get("base", "stub") == "solution":
@@ -103,6 +121,8 @@ def build(week: str, spec: dict):
         cell.source = src
     for gid in spec.get("delete_grade", []):
         nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") != gid]
+    for cell in nb.cells:
+        cell.source = expand(cell_source(cell), course)
     return nb
 
 

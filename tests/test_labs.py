@@ -11,7 +11,7 @@ import pytest
 from grader.nbgrader_plugin import run_trusted
 from launch.runner import job_processes
 from grader.nbgrader_tools import ROOT, weeks
-from tests.corpus import FIXTURES, build, load_manifest
+from tests.corpus import FIXTURES, SECRET, build, expand, load_manifest, plant_secret
 
 WEEKS = weeks()
 FIXTURE_CASES = [(w, name) for w in WEEKS if os.path.exists(os.path.join(FIXTURES, w, "manifest.json"))
@@ -60,6 +60,13 @@ def test_solution_and_stub_trusted(week):
 CORPUS_ROWS = []   # printed as a table at the end of the run (conftest.py)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def planted_secret():
+    path = plant_secret()
+    yield path
+    os.unlink(path)
+
+
 @pytest.mark.parametrize("week,name", FIXTURE_CASES, ids=[f"{w}-{n}" for w, n in FIXTURE_CASES])
 def test_fixture_verdict(week, name):
     spec = load_manifest(week)["submissions"][name]
@@ -78,4 +85,8 @@ def test_fixture_verdict(week, name):
         assert ok == (want == "pass"), f"{name}: {gid} should {want}:\n{text}"
     text = "\n".join(t for _, t in got.values())
     for m in spec.get("messages", []):
+        m = expand(m)
         assert m.lower() in text.lower(), f"{name}: the verdict does not say {m!r}:\n{text}"
+    assert SECRET not in text
+    assert not [p for p in (os.path.join(ROOT, "ESCAPED"), os.path.join(os.path.expanduser("~"), "ESCAPED"))
+                if os.path.exists(p)], "a grading rank wrote outside its job"

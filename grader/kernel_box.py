@@ -1,0 +1,68 @@
+"""The kernel that runs a submitted notebook, in a box: it sees a scratch copy of the submission, no course.
+
+`nbgrader autograde` and `python -m grader check` run the student's notebook (its %%writefile cells, its
+%%torchrun demos). That kernel is the student's code, so it gets the grading ranks' kind of box
+(`grader.sandbox.Sandbox` with `KERNEL_VIEW`): Python and its packages, `tpkit/` and `launch/`, and a
+writable scratch copy of the folder nbgrader runs it in. No `source/`, `solutions/`, `submitted/`,
+`autograded/`, gradebook, home or network: it talks to its client over Unix sockets (ZeroMQ's `ipc`
+transport) in the scratch folder, in its own network namespace. Only the trusted process (nbgrader,
+with `grader.nbgrader_plugin.TrustedChecks`) writes the gradebook; the kernel's outputs still reach the
+notebook through the protocol, so the student's feedback keeps them.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from jupyter_client.manager import AsyncKernelManager
+
+from grader.sandbox import KERNEL_VIEW, ROOT, Sandbox, clean_env, give_to
+
+
+class BoxedKernelManager(AsyncKernelManager):
+    """An AsyncKernelManager whose kernel starts inside `Sandbox(view=KERNEL_VIEW)` (where bubblewrap exists;
+    else as usual, with the sandbox's note in the log)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.scratch = tempfile.mkdtemp(prefix="grader-kernel-")
+        self.workdir = os.path.join(self.scratch, "work")
+        self.sockets = os.path.join(self.scratch, "ipc")
+        os.makedirs(self.workdir)
+        os.makedirs(self.sockets)
+        self.transport = "ipc"                               # no TCP: the box has no network to the client
+        self.ip = os.path.join(self.sockets, "kernel")       # sockets kernel-1, kernel-2, ... in the scratch folder
+        self.connection_file = os.path.join(self.sockets, "connection.json")
+        self.box: Sandbox | None = None
+
+    def format_kernel_cmd(self, extra_arguments=None):
+        cmd = super().format_kernel_cmd(extra_arguments)
+        src = (self._launch_args.get("cwd") if isinstance(self._launch_args, dict) else None) or os.getcwd()
+        if os.path.isdir(src):
+            # the notebook's folder as the student handed it in (their files), never the folder itself
+            shutil.copytree(src, self.workdir, dirs_exist_ok=True, symlinks=False,
+                            ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        home = os.path.join(self.scratch, "home")
+        os.makedirs(home, exist_ok=True)
+        self.box = Sandbox(view=KERNEL_VIEW, writable=[self.scratch], chdir=self.workdir, setpriv=True).__enter__()
+        if not self.box.prefix:
+            self.log.warning("kernel not boxed: %s", "; ".join(self.box.notes))
+            return cmd
+        for dirpath, dirs, files in os.walk(self.scratch):
+            for name in dirs + files:
+                give_to(os.path.join(dirpath, name), self.box.uid)
+        env = clean_env(os.environ, {"HOME": home, "IPYTHONDIR": os.path.join(home, ".ipython"),
+                                     "MPLCONFIGDIR": os.path.join(home, ".matplotlib"), "PYTHONPATH": ROOT,
+                                     "JUPYTER_RUNTIME_DIR": self.sockets})
+        prefix = list(self.box.prefix)
+        sep = prefix.index("--")
+        setenv = ["--clearenv"] + [a for k, v in env.items() for a in ("--setenv", k, v)]
+        return prefix[:sep] + setenv + prefix[sep:] + cmd
+
+    async def _async_cleanup_resources(self, restart: bool = False) -> None:
+        await super()._async_cleanup_resources(restart=restart)
+        if not restart:
+            if self.box is not None:
+                self.box.__exit__(None, None, None)
+            shutil.rmtree(self.scratch, ignore_errors=True)
