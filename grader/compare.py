@@ -24,7 +24,6 @@ class ItemVerdict:
     passed: bool
     problems: list[str] = field(default_factory=list)
     max_err: float = 0.0
-    tensors: list[str] = field(default_factory=list)
     comm: str = ""
     seconds: float = 0.0
 
@@ -152,7 +151,9 @@ def describe_error(tb: str, rank, res: dict | None = None) -> str:
     if last.startswith("SystemExit"):
         return (f"rank {rank}: your code called sys.exit() ({last}); a layer must return its result, "
                 "never end the process.")
-    if last.startswith(("GradingError:", "grader.case.GradingError:")):
+    if last.startswith("grader.rank.watch.Deadlock:"):
+        return last.split(":", 1)[1].strip()        # the same picture on every waiting rank: said once
+    if last.startswith(("GradingError:", "grader.rank.context.GradingError:")):
         return f"rank {rank}: " + last.split(":", 1)[1].strip()
     if is_comm_error(tb):
         where = last_collective(res or {})
@@ -179,40 +180,54 @@ def comm_summary(res: dict) -> str:
     return "; ".join(parts)
 
 
+def rank_list(ranks) -> str:
+    """'rank 2', 'ranks 2 and 3', 'ranks 0, 1 and 3'."""
+    rs = [str(r) for r in sorted(set(int(r) for r in ranks))]
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    return f"ranks {', '.join(rs[:-1])} and {rs[-1]}"
+
+
 def compare_item(case: Case, item: dict, ref: dict, results: dict[int, dict | None],
                  missing_reason: dict[int, str]) -> ItemVerdict:
+    """Every problem of one case at one t, the likely root cause first: what a rank communicated or
+    holds, then its own exception, a deadlock, ranks without results, peers that only saw the fallout,
+    and last the tensors, in data-flow order (outputs before input grads before weight grads)."""
     t = item["t"]
     v = ItemVerdict(item_id=item["id"], case=case.name, t=t, passed=True)
     contract = case.contract(item["config"], t) if case.contract else None
     errors = {j: str(res["error"]) for j, res in results.items() if res is not None and res.get("error")}
     own = {j for j, e in errors.items() if not is_comm_error(e)}   # the student's own exceptions
+    comm, raised, deadlock, missing, fallout, tensors = [], [], [], [], [], {}
     for job_rank in sorted(results):
         res = results[job_rank]
         if res is None:
-            v.problems.append(missing_reason.get(job_rank, f"rank {job_rank} wrote no result."))
+            missing.append(missing_reason.get(job_rank, f"rank {job_rank} wrote no result."))
             continue
         r = res["group"].index(job_rank)
-        label = r
         if job_rank in errors:
-            if job_rank in own or not own:
-                v.problems.append(describe_error(errors[job_rank], label, res))
-            else:   # a peer of the failing rank: it only saw the fallout
-                culprits = ", ".join(str(results[j]["group"].index(j)) for j in sorted(own))
-                v.problems.append(f"rank {label}: left waiting in {last_collective(res)} because rank "
-                                  f"{culprits} failed.")
+            # a rank whose collective broke because a peer raised or died only saw the fallout
+            culprits = sorted(own | {j for j, x in results.items() if x is None})
+            if job_rank in own or not culprits:
+                msg = describe_error(errors[job_rank], r, res)
+                (deadlock if msg.startswith("deadlock:") else raised).append(msg)
+            else:
+                fallout.append(f"rank {r}: left waiting in {last_collective(res)} because "
+                               f"{rank_list(j % t for j in culprits)} failed.")
             continue
         if contract is not None:   # sharding and communication first: they explain the numbers
-            v.problems += check_contract(contract, res, label)
+            comm += check_contract(contract, res, r)
         want = case.expected(item["config"], ref, r, t)
         got = res.get("tensors", {})
         for name, w in want.items():
-            msg, m = compare_tensor(name, got.get(name), w, case.atol, label, case.hints.get(name, ""))
+            msg, m = compare_tensor(name, got.get(name), w, case.atol, r, case.hints.get(name, ""))
             if msg:
-                v.problems.append(msg)
+                tensors.setdefault(name, []).append(msg)
             elif m > v.max_err:
                 v.max_err = m
-        v.tensors = list(want)
         v.comm = comm_summary(res)
         v.seconds = max(v.seconds, float(res.get("seconds", 0.0)))
+    # every waiting rank names the deadlock as it saw it: the first picture is the whole story
+    v.problems = comm + raised + deadlock[:1] + missing + fallout + [m for ms in tensors.values() for m in ms]
     v.passed = not v.problems
     return v

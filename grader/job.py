@@ -1,11 +1,12 @@
 """Build a job folder, run it on N ranks, compare in this (trusted) process.
 
-    JOBDIR/spec.json      items (case, t, seed, config), timeouts
-    JOBDIR/inputs.pt      full inputs per item, made here from the seed
-    JOBDIR/student/*.py   the student's modules (a snapshot: the kernel or the notebook JSON)
-    JOBDIR/out/rank{r}.pt     written by each rank: tensors, ledger, parameter shapes, errors
-    JOBDIR/out/rank{r}.progress  where each rank is (which item, which collective)
-Inside the sandbox JOBDIR is read-only and out/ is the only folder a rank can write.
+    JOBDIR/inputs.pt                 full inputs per item, made here from the seed
+    JOBDIR/student/*.py              the student's modules (a snapshot: the kernel or the notebook JSON)
+    JOBDIR/attemptK/spec.json        the items of launch K (case, t, seed, config, run function), timeouts
+    JOBDIR/attemptK/out/rank{r}.pt   written by each rank: tensors, ledger, parameter shapes, errors
+    JOBDIR/attemptK/out/rank{r}.progress   where each rank is (which item, which collective)
+Inside the sandbox JOBDIR is read-only and attemptK/out/ is the only folder a rank can write. Launch 0
+runs every item; a later launch runs, in fresh ranks, the items after one in which a rank process died.
 
 Timeouts nest: process group (PG_TIMEOUT) < job wall clock < + KILL_GRACE < nbgrader Execute.timeout.
 """
@@ -24,12 +25,13 @@ from dataclasses import dataclass, field
 import torch
 
 from grader.case import get_case
-from grader.compare import ItemVerdict, compare_item
+from grader.compare import ItemVerdict, compare_item, is_comm_error, rank_list
 
 PG_TIMEOUT = 10.0          # a collective on tiny tensors that waits this long is a hang
 ITEM_TIMEOUT = 15          # one case on one rank (SIGALRM): Python-level loops and sleeps
 STARTUP = 60.0             # launcher, imports and rendezvous, with slack for a loaded 2-core box
 KILL_GRACE = 3.0
+STOP_GRACE = 1.0           # ranks of a grading job finish together: one that left this much earlier died
 EXECUTE_TIMEOUT = 900      # nbgrader per-cell limit; must exceed every job's wall clock + grace
 
 
@@ -67,7 +69,7 @@ class CaseVerdict:
             whos = sorted({w for _, w in hits if w}, key=int)
             if whos:
                 everyone = all(len({w for tt, w in hits if tt == t}) == sizes[t] for t in ts)
-                who = "all ranks" if everyone else ("rank " if len(whos) == 1 else "ranks ") + ", ".join(whos)
+                who = "all ranks" if everyone else rank_list(whos)
                 key = key.replace("rank *", who, 1)
             probs.append(f"[t={', '.join(map(str, ts))}] {key}")
         head = f"{self.name}: FAILED"
@@ -80,9 +82,13 @@ class CaseVerdict:
 class Report:
     cases: dict[str, CaseVerdict]
     seconds: float
-    run: object = None
+    runs: list = field(default_factory=list)      # one launch, or more after a rank died (launch.RunResult)
     jobdir: str = ""
     sandbox: dict = field(default_factory=dict)
+
+    @property
+    def run(self):
+        return self.runs[-1] if self.runs else None
 
     @property
     def passed(self) -> bool:
@@ -113,35 +119,55 @@ def plan_items(names: list[str], fresh_seed: bool = True) -> list[dict]:
     return items
 
 
+# c10d's own socket warnings: noise in a student's "last output"
+_C10D_NOISE = re.compile(r"\[c10d\]|socket\.cpp|ProcessGroupGloo\.cpp")
+
+
 def _missing_reason(job_rank: int, item: dict, run, progress: dict, finished_by: list[int]) -> str:
+    """Why a rank has no result for `item`: how its process ended, and where it was then."""
+    t = item["t"]
+    label = job_rank % t                       # groups are consecutive blocks of t job ranks
     code = run.exitcodes.get(job_rank) if run is not None else None
     here = progress.get(job_rank) or {}
-    others = f"; ranks {', '.join(map(str, finished_by))} had finished it" if finished_by else ""
+    others = f"; {rank_list(r % t for r in finished_by)} had finished it" if finished_by else ""
+    inside = here.get("item") == item["id"] and here.get("where") in ("inside", "waiting")
     if here.get("item") == item["id"]:
-        if here.get("where") == "inside":
-            where = f"was still in {here.get('op')} #{here.get('index')} ({here.get('phase')})"
+        if inside:
+            where = f"in {here.get('op')} #{here.get('index')} ({here.get('phase')})"
         elif here.get("phase") == "import":
-            where = "was still importing your module"
+            where = "while importing your module"
         else:
-            where = f"was still running your code in {here.get('phase')} (not in a collective)"
+            where = f"while running your code in {here.get('phase')} (not in a collective)"
     elif here.get("item"):
-        where = f"never reached this check (it was stuck in {here.get('item')})"
+        where = f"before reaching this check (it was still in {here.get('item')})"
     else:
-        where = "never started this check"
+        where = "before starting this check"
     if run is not None and run.timed_out:
-        return (f"rank {job_rank} {where} when the job was stopped at its {run.seconds:.0f} s wall clock{others}. "
-                "A rank that skips or adds a collective, or loops forever, hangs the others.")
+        return (f"rank {label}: still {where} when the launch was stopped at its {run.seconds:.0f} s wall clock"
+                f"{others}. A rank that skips or adds a collective, or loops forever, hangs the others.")
+    order = run.order if run is not None else []
+    first = order[0] if order else None
     if code is None:
         how = "was stopped"
+    elif code in (-15, -9) and first is not None and first != job_rank and job_rank in order:
+        how = f"was stopped by the grader after rank {first % t}'s process ended"
+    elif code == -9:
+        how = "was killed by signal 9 (out of memory or over a resource limit?)"
+    elif code == -6:
+        how = "was aborted (signal 6)" + (": gloo aborts a process when the ranks pass tensors of different "
+                                      "sizes to one collective" if inside else "")
+    elif code == -11:
+        how = "crashed (signal 11, a segmentation fault)"
     elif code < 0:
-        how = f"was killed by signal {-code}" + (" (out of memory or over a resource limit?)" if -code == 9 else "")
+        how = f"was killed by signal {-code}"
     elif code == 0:
-        how = "exited with status 0 without writing its results (os._exit() in your code?)"
+        how = "ended before writing its results (exit status 0: os._exit() in your code?)"
     else:
-        how = f"exited with status {code}"
-    tail = run.rank_output(job_rank).strip().splitlines()[-6:] if run is not None else []
+        how = f"ended with exit status {code}"
+    tail = [ln for ln in (run.rank_output(job_rank) if run is not None else "").strip().splitlines()
+            if not _C10D_NOISE.search(ln)][-6:]
     shown = ("\n    last output: " + "\n    ".join(tail)) if tail else ""
-    return f"rank {job_rank} {how}; it {where}{others}.{shown}"
+    return f"rank {label}: its process {how}, {where}{others}.{shown}"
 
 
 def _desync(results: dict) -> str | None:
@@ -202,22 +228,21 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
                sandbox: str | None = None, interactive: bool = False) -> Report:
     """Run the named checks on the student's module `sources` ({filename: text}) and compare here.
 
+    All items run in one launch. When a rank process dies (abort, segfault, os._exit, out of memory) or
+    the launch hits its wall clock, the item it died in is judged and the items after it run again in
+    fresh ranks: one failure costs one check, never an unrelated, correct one.
     sandbox: "auto" (bubblewrap + limits where available), "on" (fail without it) or "off";
     default: GRADER_SANDBOX, else "auto".
     """
-    from launch import default_launcher, pick_backend, run as launch_run
-    from grader.sandbox import ROOT, Sandbox, give_to
+    from launch import default_launcher, pick_backend
     t0 = time.monotonic()
     items = plan_items(names, fresh_seed)
-    world = max(it["t"] for it in items)
     mode = sandbox or os.environ.get("GRADER_SANDBOX", "auto")
-    backend = pick_backend(world, backend)
+    backend = pick_backend(max(it["t"] for it in items), backend)
     launcher = default_launcher(backend, launcher, interactive=interactive and mode == "off")
     jobdir = tempfile.mkdtemp(prefix="grader-job-")
-    outdir = os.path.join(jobdir, "out")          # the only folder the ranks may write
     try:
         os.makedirs(os.path.join(jobdir, "student"))
-        os.makedirs(outdir)
         for fname, text in sources.items():
             with open(os.path.join(jobdir, "student", os.path.basename(fname)), "w") as f:
                 f.write(text)
@@ -230,54 +255,101 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
                 inputs[it["id"]] = case.make_inputs(it["config"], gen)
                 refs[it["id"]] = case.reference(it["config"], {k: v.clone() for k, v in inputs[it["id"]].items()})
         torch.save(inputs, os.path.join(jobdir, "inputs.pt"))
-        with open(os.path.join(jobdir, "spec.json"), "w") as f:
-            json.dump({"items": items, "pg_timeout": pg_timeout, "item_timeout": ITEM_TIMEOUT}, f)
-        box = Sandbox(readable=[jobdir], writable=[outdir], chdir=outdir, setpriv=launcher == "torchrun",
-                      mode=mode)
-        with box:
-            give_to(jobdir, box.uid)       # read-only inside the box; the unprivileged uid must still enter it
-            run = launch_run("grader.rank.entry", world, [jobdir], backend=backend, launcher=launcher,
-                             timeout=job_wall_clock(len(items), pg_timeout, max(it["timeout"] for it in items)),
-                             kill_grace=KILL_GRACE,
-                             pg_timeout=pg_timeout, stream=stream, preload=("grader.rank.entry",),
-                             wrap=tuple(box.prefix) + tuple(wrap), base_env=box.base_env(os.environ),
-                             env={"PYTHONPATH": _pythonpath(ROOT), **box.env}, cwd=outdir, interactive=interactive)
-        rank_results, progress, untrusted = {}, {}, {}
-        for r in range(world):
-            rank_results[r], why = _load_rank_file(os.path.join(outdir, f"rank{r}.pt"), r, run)
-            if why:
-                untrusted[r] = why
-            try:
-                progress[r] = json.load(open(os.path.join(outdir, f"rank{r}.progress")))
-            except Exception:
-                progress[r] = {}
-        cases: dict[str, CaseVerdict] = {}
+        cases: dict[str, CaseVerdict] = {it["case"]: CaseVerdict(it["case"], True) for it in items}
+        verdicts: dict[str, ItemVerdict] = {}
+        runs, boxes, pending = [], [], items
+        budget = job_wall_clock(len(items), pg_timeout, max(it["timeout"] for it in items))
+        while pending:
+            run, box, results, judged = _attempt(jobdir, len(runs), pending, backend, launcher, mode, pg_timeout,
+                                                 stream, wrap, interactive)
+            runs.append(run)
+            boxes.append(box)
+            for it in judged:
+                verdicts[it["id"]] = _judge(it, refs[it["id"]], results, run)
+            left = [it for it in pending if it["id"] not in verdicts]
+            if left and time.monotonic() - t0 > budget:
+                for it in left:      # out of time: judge them with what this launch left
+                    verdicts[it["id"]] = _judge(it, refs[it["id"]], results, run)
+                left = []
+            pending = left
         for it in items:
-            case = get_case(it["case"])
-            t = it["t"]
-            part = list(range(0, world - world % t))
-            res = {}
-            for r in part:
-                x = rank_results[r].get(it["id"])
-                res[r] = x if isinstance(x, dict) and isinstance(x.get("group"), list) and r in x["group"] else None
-            finished = [r for r in part if res[r] is not None]
-            reasons = {r: untrusted.get(r) or _missing_reason(r, it, run, progress, finished)
-                       for r in part if res[r] is None}
-            v = compare_item(case, it, refs[it["id"]], res, reasons)
-            from grader.compare import is_comm_error
-            own_errors = any(x is not None and x.get("error") and not is_comm_error(str(x["error"]))
-                             for x in res.values())
-            d = None if own_errors else _desync(res)   # a rank's own exception explains the rest
-            if d and not v.passed:
-                v.problems.insert(0, d)
-            cv = cases.setdefault(it["case"], CaseVerdict(it["case"], True))
+            v = verdicts[it["id"]]
+            cv = cases[it["case"]]
             cv.items.append(v)
             cv.passed = cv.passed and v.passed
-        return Report(cases=cases, seconds=time.monotonic() - t0, run=run, jobdir=jobdir if keep else "",
-                      sandbox=box.describe())
+        return Report(cases=cases, seconds=time.monotonic() - t0, runs=runs, jobdir=jobdir if keep else "",
+                      sandbox=boxes[-1].describe())
     finally:
         if not keep:
             shutil.rmtree(jobdir, ignore_errors=True)
+
+
+def _attempt(jobdir, k, items, backend, launcher, mode, pg_timeout, stream, wrap, interactive):
+    """One launch of `items` in fresh ranks. Returns (run, box, results, the items it can judge)."""
+    from launch import run as launch_run
+    from grader.sandbox import ROOT, Sandbox, give_to
+    world = max(it["t"] for it in items)
+    here = os.path.join(jobdir, f"attempt{k}")
+    outdir = os.path.join(here, "out")          # the only folder the ranks may write
+    os.makedirs(outdir)
+    with open(os.path.join(here, "spec.json"), "w") as f:
+        json.dump({"items": items, "pg_timeout": pg_timeout, "item_timeout": ITEM_TIMEOUT,
+                   "inputs": os.path.join(jobdir, "inputs.pt"), "student": os.path.join(jobdir, "student")}, f)
+    box = Sandbox(readable=[jobdir], writable=[outdir], chdir=outdir, setpriv=launcher == "torchrun", mode=mode)
+    with box:
+        give_to(jobdir, box.uid)       # read-only inside the box; the unprivileged uid must still enter it
+        give_to(here, box.uid)
+        run = launch_run("grader.rank.entry", world, [here], backend=backend, launcher=launcher,
+                         timeout=job_wall_clock(len(items), pg_timeout, max(it["timeout"] for it in items)),
+                         kill_grace=KILL_GRACE, pg_timeout=pg_timeout, stream=stream, preload=("grader.rank.entry",),
+                         wrap=tuple(box.prefix) + tuple(wrap), base_env=box.base_env(os.environ),
+                         env={"PYTHONPATH": _pythonpath(ROOT), "COURSE_STOP_GRACE": str(STOP_GRACE), **box.env},
+                         cwd=outdir, interactive=interactive)
+    results = {"ranks": {}, "progress": {}, "untrusted": {}, "world": world}
+    for r in range(world):
+        results["ranks"][r], why = _load_rank_file(os.path.join(outdir, f"rank{r}.pt"), r, run)
+        if why:
+            results["untrusted"][r] = why
+        try:
+            with open(os.path.join(outdir, f"rank{r}.progress")) as f:
+                results["progress"][r] = json.load(f)
+        except (OSError, ValueError):
+            results["progress"][r] = {}
+    complete = [_complete(it, results) for it in items]
+    # a rank that did not reach the end of the launch (died, was killed, left with os._exit, hung)
+    ended_early = run.timed_out or any(results["progress"][r].get("phase") != "done" for r in range(world))
+    if not ended_early or all(complete):
+        return run, box, results, items
+    first = complete.index(False)     # the item a rank died or hung in: judged now, the rest run again
+    return run, box, results, [it for it, done in zip(items, complete) if done] + [items[first]]
+
+
+def _participants(it: dict, world: int) -> list[int]:
+    return list(range(0, world - world % it["t"]))
+
+
+def _result(results: dict, r: int, it: dict):
+    x = results["ranks"].get(r, {}).get(it["id"])
+    return x if isinstance(x, dict) and isinstance(x.get("group"), list) and r in x["group"] else None
+
+
+def _complete(it: dict, results: dict) -> bool:
+    return all(_result(results, r, it) is not None for r in _participants(it, results["world"]))
+
+
+def _judge(it: dict, ref: dict, results: dict, run) -> ItemVerdict:
+    case = get_case(it["case"])
+    part = _participants(it, results["world"])
+    res = {r: _result(results, r, it) for r in part}
+    finished = [r for r in part if res[r] is not None and not res[r].get("error")]
+    reasons = {r: results["untrusted"].get(r) or _missing_reason(r, it, run, results["progress"], finished)
+               for r in part if res[r] is None}
+    v = compare_item(case, it, ref, res, reasons)
+    own_errors = any(x is not None and x.get("error") and not is_comm_error(str(x["error"])) for x in res.values())
+    d = None if own_errors else _desync(res)   # a rank's own exception explains the rest
+    if d and not v.passed:
+        v.problems.insert(0, d)
+    return v
 
 
 def _pythonpath(root: str) -> str:

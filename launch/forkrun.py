@@ -177,6 +177,7 @@ def launch_ranks(nproc: int, target: str, is_module: bool, args: list[str]) -> i
     signal.signal(signal.SIGTERM, lambda *_: (stop_all(signal.SIGKILL), os._exit(143)))
     out = sys.stdout.buffer
     kill_at, term_sent = None, False
+    stop_grace = float(os.environ["COURSE_STOP_GRACE"]) if os.environ.get("COURSE_STOP_GRACE") else None
     drain_until = None
     while True:
         if len(exitcodes) == nproc:
@@ -234,6 +235,9 @@ def launch_ranks(nproc: int, target: str, is_module: bool, args: list[str]) -> i
             order.append(rank)
             if code != 0 and kill_at is None:
                 kill_at = time.monotonic() + 0.5  # like torchrun: one failed rank stops the job
+            elif stop_grace is not None and kill_at is None and len(exitcodes) < nproc:
+                # a job whose ranks all finish together (grading): one that left early was cut short
+                kill_at = time.monotonic() + stop_grace
         if kill_at is not None and time.monotonic() > kill_at:
             # TERM first so ranks can flush; KILL whoever ignores it
             stop_all(signal.SIGTERM if not term_sent else signal.SIGKILL)

@@ -39,6 +39,7 @@ class RunResult:
     command: list = field(default_factory=list)
     declared: dict = field(default_factory=dict)   # rank -> "file sha256" it sent on its private channel
     job_id: str = ""                               # COURSE_JOB_ID in every process of the job
+    order: list = field(default_factory=list)      # ranks in the order their processes ended (fork, warm)
 
     @property
     def ok(self) -> bool:
@@ -306,12 +307,13 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
     seconds = time.monotonic() - t0
 
     exitcodes: dict[int, int] = {}
-    first = None
+    first, order = None, []
     if launcher == "warm":
         proc.returncode = 0 if status and status.get("first_failure") is None else 1
     if launcher in ("fork", "warm") and status:
         exitcodes = {int(k): v for k, v in status["exitcodes"].items()}
         first = status["first_failure"]
+        order = [int(r) for r in status.get("order", [])]
     elif launcher == "torchrun":
         exitcodes = {r: 0 for r in range(nproc)} if proc.returncode == 0 else {}
         text = "\n".join(lines)
@@ -322,4 +324,4 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
     returncode = proc.returncode if not timed_out else 124
     return RunResult(returncode=returncode, exitcodes=exitcodes, output="\n".join(lines), timed_out=timed_out,
                      seconds=seconds, nproc=nproc, backend=backend, launcher=launcher, first_failure=first,
-                     leftovers_killed=leftovers, command=cmd, declared=declared, job_id=job_id)
+                     leftovers_killed=leftovers, command=cmd, declared=declared, job_id=job_id, order=order)

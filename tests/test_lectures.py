@@ -1,11 +1,14 @@
 """Every lecture notebook executes headless (papermill, CPU/gloo) and is committed executed."""
+import glob
 import json
 import os
+import re
 import tempfile
 
 import pytest
 
-from grader.lectures import execute_lecture, lecture_paths
+from grader.lectures import execute_lecture, lecture_paths, machine_traces
+from grader.nbgrader_tools import ROOT
 
 LECTURES = lecture_paths()
 
@@ -23,3 +26,16 @@ def test_lecture_executes(path):
     out = os.path.join(tempfile.mkdtemp(), os.path.basename(path))
     seconds = execute_lecture(path, out)
     print(f"{os.path.basename(path)}: {seconds:.0f} s")
+
+
+COMMITTED = LECTURES + sorted(glob.glob(os.path.join(ROOT, "labs", "week*", "*.ipynb"))
+                              + glob.glob(os.path.join(ROOT, "solutions", "week*", "*.ipynb")))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[os.path.relpath(p, ROOT) for p in COMMITTED])
+def test_committed_notebook_is_clean(path):
+    """No path of the machine that executed it; no citation of files a reader does not have."""
+    text = open(path).read()
+    assert not machine_traces(json.loads(text)), "absolute machine paths: re-execute with `make notebooks`"
+    assert "REFERENCES" not in text and not re.search(r"course seed|seed 00\d", text), \
+        "cite docs/sources.md, not the course's private notes"

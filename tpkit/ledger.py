@@ -110,7 +110,7 @@ class CommLedger(TorchDispatchMode):
         ns = func.namespace
         if ns in ("c10d", "_c10d_functional"):
             name = _OPS.get(func._opname)
-            if name is not None and name != "barrier":
+            if name is not None:
                 entry = self._entry(name, args, functional=ns == "_c10d_functional")
                 self._progress("inside", entry)
                 out = func(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""Rank entry of a grading job: `python -m grader.rank.entry JOBDIR` on every rank.
+"""Rank entry of a grading job: `python -m grader.rank.entry JOBDIR/attemptK` on every rank.
 
 Each item of the job is a case at one tensor-parallel size t; the student gets a process
 group of t ranks (sub-groups when t is smaller than the job). Between items all ranks meet on
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from grader.rank.context import GradingError, RankContext
+from grader.rank.watch import Deadlock, Watch
 from tpkit.ledger import CommLedger
 
 
@@ -57,15 +58,15 @@ def _save(path: str, results: dict):
         print(f"@@result {line}", flush=True)
 
 
-def main(jobdir: str) -> int:
+def main(attempt: str) -> int:
     global _RESULT_FD
     _RESULT_FD = os.environ.pop("COURSE_RESULT_FD", None)
-    spec = json.load(open(os.path.join(jobdir, "spec.json")))
+    spec = json.load(open(os.path.join(attempt, "spec.json")))
     from launch.dist import init_process_group
     rank, world, device = init_process_group(timeout_s=spec["pg_timeout"])
     torch.set_num_threads(1)
-    student_dir = os.path.realpath(os.path.join(jobdir, "student"))
-    inputs_all = torch.load(os.path.join(jobdir, "inputs.pt"), weights_only=True)
+    student_dir = os.path.realpath(spec["student"])
+    inputs_all = torch.load(spec["inputs"], weights_only=True)
     timeout = datetime.timedelta(seconds=spec["pg_timeout"])
 
     # the harness's own group: between items, outside any student code (bounded by the wall clock only)
@@ -88,9 +89,10 @@ def main(jobdir: str) -> int:
         if item["t"] not in groups:
             groups[item["t"]] = make_groups(item["t"])
 
-    out_path = os.path.join(jobdir, "out", f"rank{rank}.pt")
-    progress = os.path.join(jobdir, "out", f"rank{rank}.progress")
+    out_path = os.path.join(attempt, "out", f"rank{rank}.pt")
+    progress = os.path.join(attempt, "out", f"rank{rank}.progress")
     results: dict = {}
+    watch = Watch(os.path.dirname(out_path), rank)   # installed before any student code is imported
     sys.path.insert(0, student_dir)
     modules: dict = {}
     # the harness's run functions first (before any student code, and outside every item's clock: week 7's
@@ -147,20 +149,29 @@ def main(jobdir: str) -> int:
                 raise modules[item["module"]]
             inputs = {k: v.to(device) for k, v in inputs_all[item["id"]].items()}
             ledger.progress_file = progress
+            watch.begin(item["id"], ranks, ledger)
             with ledger:
                 out = runners[item["id"]](modules[item["module"]], item["config"], inputs, ctx)
             res["tensors"] = {k: (v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else None)
                               for k, v in out.items()}
+        except Deadlock as exc:       # the harness's own verdict: no student frames to show
+            res["error"] = f"grader.rank.watch.Deadlock: {exc}"
+            failed_last = True
         except BaseException as exc:  # SystemExit from student code too: it must not skip the report
             res["error"] = user_traceback(exc, student_dir)
             failed_last = True
         finally:
             signal.alarm(0)
+            watch.end()
         res["seconds"] = time.perf_counter() - t0
         res["params"] = ctx.params
         res["ledger"] = ledger.entries
         results[item["id"]] = res
         _save(out_path, results)
+    try:   # the ranks leave together (the launcher takes a rank that leaves alone for a dead one)
+        dist.all_reduce(torch.zeros(1), group=control)
+    except Exception:
+        pass
     with open(progress, "w") as f:
         json.dump({"item": None, "phase": "done", "where": "finished"}, f)
     try:
