@@ -30,9 +30,9 @@ def cmd_execute(a) -> int:
 
 def cmd_autograde(a) -> int:
     import time
-    from grader.class_autograde import autograde_parallel, summary
+    from grader.class_autograde import autograde_class, summary
     t0 = time.monotonic()
-    secs = autograde_parallel(os.path.abspath(a.course), a.week, jobs=a.jobs)
+    secs = autograde_class(os.path.abspath(a.course), a.week, jobs=a.jobs)
     print(summary(secs, time.monotonic() - t0))
     return 0
 

@@ -37,7 +37,7 @@ def time_check(launcher: str, repeats: int) -> list[float]:
 def class_autograde(n: int, jobs: int) -> str:
     from grader.demo import CLASS, submission
     from grader.nbgrader_tools import nbgrader, scratch_course
-    from grader.class_autograde import autograde_parallel, summary
+    from grader.class_autograde import autograde_class, summary
     import json
     course = scratch_course(["week02"])
     try:
@@ -49,7 +49,7 @@ def class_autograde(n: int, jobs: int) -> str:
             with open(os.path.join(d, "tp_linear.ipynb"), "w") as f:
                 json.dump(submission(kinds[i % len(kinds)]), f)
         t0 = time.monotonic()
-        secs = autograde_parallel(course, "week02", jobs=jobs)
+        secs = autograde_class(course, "week02", jobs=jobs)
         return summary(secs, time.monotonic() - t0) + f" ({jobs} at a time, {os.cpu_count()} cores)"
     finally:
         shutil.rmtree(course, ignore_errors=True)

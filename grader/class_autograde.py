@@ -1,19 +1,22 @@
-"""Grade a class in parallel: `python -m grader autograde WEEK --jobs N` in an nbgrader course folder.
+"""Grade a class: `python -m grader autograde WEEK --jobs N` in an nbgrader course folder.
 
-nbgrader autograde is serial. This runs one `nbgrader autograde WEEK --student S` per student,
-N at a time, with progress. Each student's job is isolated (its own kernel, its own trusted
-grading job and sandbox); the only shared thing is gradebook.db, which SQLite serialises; a
-student whose run still fails on a locked database is retried alone at the end.
+One driver process imports nbgrader, torch and the grader once, adds every student to the gradebook
+through nbgrader's API, then forks one worker per submission, N at a time. A worker runs nbgrader's
+`Autograde` for its student in-process (`NbGraderAPI.autograde`): the boxed kernel, the trusted
+checks in their own sandboxed job, the gradebook writes. So a submission pays for its kernel and its
+ranks, not for another Python, nbgrader and torch start. Workers share nothing but gradebook.db, which
+SQLite serialises; a student whose run still fails (a locked database) is graded again alone at the end.
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from grader.nbgrader_tools import nbgrader
+CONFIG = "nbgrader_config.py"
 
 
 def students_with_submissions(course: str, week: str) -> list[str]:
@@ -23,39 +26,102 @@ def students_with_submissions(course: str, week: str) -> list[str]:
     return sorted(s for s in os.listdir(d) if os.path.isdir(os.path.join(d, s, week)))
 
 
-def autograde_parallel(course: str, week: str, jobs: int = 2, students: list[str] | None = None,
-                       out=sys.stdout) -> dict[str, float]:
-    """Autograde every submission of `week`; returns {student: seconds}."""
+def course_api(course: str):
+    """nbgrader's API on `course`, configured by the course's nbgrader_config.py."""
+    from nbgrader.apps.api import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+    from traitlets.config.loader import PyFileConfigLoader
+    config = PyFileConfigLoader(CONFIG, path=course).load_config()
+    config.CourseDirectory.root = course
+    return NbGraderAPI(coursedir=CourseDirectory(config=config), config=config)
+
+
+def add_students(course: str, students: list[str]):
+    from nbgrader.api import Gradebook
+    with Gradebook(f"sqlite:///{os.path.join(course, 'gradebook.db')}") as gb:
+        for s in students:
+            gb.update_or_create_student(s)
+
+
+def _grade_in_child(course: str, week: str, student: str, report: str):
+    """In a forked worker: autograde one submission; write nbgrader's result, then leave."""
+    code = 1
+    try:
+        # this worker's and its kernel's chatter (nbgrader's SQLAlchemy warnings, ipykernel's banner) go to
+        # the student's log, not the instructor's console
+        log = os.open(report[:-len(".json")] + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        result = course_api(course).autograde(week, student, force=True, create=True)
+        with open(report, "w") as f:
+            json.dump({k: str(v) if k != "success" else bool(v) for k, v in result.items()}, f)
+        code = 0 if result.get("success") else 1
+    finally:
+        os._exit(code)
+
+
+def _warm():
+    """What every worker needs, imported once in the driver (forked workers share it)."""
+    import nbgrader.apps.api  # noqa: F401
+    import torch  # noqa: F401
+    import grader.job  # noqa: F401
+    import grader.nbgrader_plugin  # noqa: F401
+    import papermill  # noqa: F401
+
+
+def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] | None = None,
+                    out=sys.stdout) -> dict[str, float]:
+    """Autograde every submission of `week`; returns {student: seconds}. Raises if one cannot be graded."""
     students = students or students_with_submissions(course, week)
     if not students:
         raise SystemExit(f"no submissions of {week} under {os.path.join(course, 'submitted')}/<student>/{week}/")
-    for s in students:
-        nbgrader(["db", "student", "add", s], course)
+    if not os.path.exists(os.path.join(course, CONFIG)):
+        raise SystemExit(f"{course} is not an nbgrader course of this repository: {CONFIG} is missing there")
+    _warm()
+    # nbgrader shells out to alembic for the gradebook: this interpreter's bin must be on PATH
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    add_students(course, students)
+    reports = tempfile.mkdtemp(prefix="grader-class-")
     seconds: dict[str, float] = {}
-    retry: list[str] = []
     t0 = time.monotonic()
 
-    def one(student):
-        t = time.monotonic()
-        p = nbgrader(["autograde", week, "--force", f"--student={student}"], course, check=False)
-        return student, p, time.monotonic() - t
+    def run(queue: list[str], parallel: int, label) -> list[str]:
+        running: dict[int, tuple[str, float]] = {}
+        failed, done = [], 0
+        queue = list(queue)
+        while queue or running:
+            while queue and len(running) < parallel:
+                student = queue.pop(0)
+                pid = os.fork()
+                if pid == 0:
+                    _grade_in_child(course, week, student, os.path.join(reports, f"{student}.json"))
+                running[pid] = (student, time.monotonic())
+            pid, status = os.wait()
+            if pid not in running:
+                continue
+            student, started = running.pop(pid)
+            seconds[student] = time.monotonic() - started
+            ok = os.waitstatus_to_exitcode(status) == 0
+            if not ok:
+                failed.append(student)
+            done += 1
+            print(f"{label(done)} {student}: {seconds[student]:.1f} s ({'ok' if ok else 'will retry'}), "
+                  f"{time.monotonic() - t0:.0f} s elapsed", file=out, flush=True)
+        return failed
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(one, s) for s in students]
-        for n, fut in enumerate(as_completed(futures), 1):
-            student, p, secs = fut.result()
-            seconds[student] = secs
-            if p.returncode != 0:
-                retry.append(student)
-            state = "ok" if p.returncode == 0 else "will retry"
-            print(f"[{n}/{len(students)}] {student}: {secs:.1f} s ({state}), {time.monotonic() - t0:.0f} s elapsed",
-                  file=out, flush=True)
-    for student in retry:
-        _, p, secs = one(student)
-        seconds[student] = secs
-        if p.returncode != 0:
-            raise RuntimeError(f"autograde of {student} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
-        print(f"[retry] {student}: {secs:.1f} s", file=out, flush=True)
+    n = len(students)
+    retry = run(students, max(1, jobs), lambda k: f"[{k}/{n}]")
+    still = run(retry, 1, lambda k: "[retry]")
+    if still:
+        logs = []
+        for s in still:
+            try:
+                with open(os.path.join(reports, f"{s}.json")) as f:
+                    r = json.load(f)
+                logs.append(f"{s}: {r.get('error') or r.get('log', '')}"[-2000:])
+            except (OSError, ValueError):
+                logs.append(f"{s}: the worker ended without a report")
+        raise RuntimeError("autograde failed for " + ", ".join(still) + ":\n" + "\n".join(logs))
     return seconds
 
 

@@ -15,16 +15,14 @@ def _execute(path: str, backend: str | None, out: str | None) -> str | None:
     """Run the notebook with papermill (in-kernel checks deferred). Returns an error summary or None."""
     import papermill as pm
     import shutil
-    from grader.kernel_box import BoxedKernelManager
+    from grader.kernel_box import BoxedKernelManager, grading_kernel_env
     work = tempfile.mkdtemp(prefix="grader-check-")
     out = out or os.path.join(work, os.path.basename(path))
     # run in a scratch folder: the notebook's %%writefile cells must not write beside the original
     path = shutil.copy(path, os.path.join(work, "input-" + os.path.basename(path)))
     params = {"BACKEND": backend} if backend else {}
-    old = os.environ.get("GRADER_DEFER_CHECKS")
-    os.environ["GRADER_DEFER_CHECKS"] = "1"
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), grading_kernel_env():
             warnings.simplefilter("ignore")
             pm.execute_notebook(path, out, parameters=params, cwd=work, progress_bar=False, log_output=False,
                                 kernel_name="python3", kernel_manager_class=BoxedKernelManager)
@@ -32,11 +30,6 @@ def _execute(path: str, backend: str | None, out: str | None) -> str | None:
     except Exception as exc:  # papermill stops at the first error; the checks below still run
         first = str(exc).strip().splitlines()
         return first[-1] if first else type(exc).__name__
-    finally:
-        if old is None:
-            os.environ.pop("GRADER_DEFER_CHECKS", None)
-        else:
-            os.environ["GRADER_DEFER_CHECKS"] = old
 
 
 def check_notebook(path: str, backend: str | None = None, execute: bool = True, out: str | None = None) -> int:

@@ -35,6 +35,10 @@ STOP_GRACE = 1.0           # ranks of a grading job finish together: one that le
 EXECUTE_TIMEOUT = 900      # nbgrader per-cell limit; must exceed every job's wall clock + grace
 
 
+class GraderCannotRun(RuntimeError):
+    """The harness itself failed (no rank started): nothing may be graded from such a run."""
+
+
 def job_wall_clock(n_items: int, pg_timeout: float = PG_TIMEOUT, item_timeout: float = ITEM_TIMEOUT) -> float:
     # every item may burn one item timeout (a rank looping, its peers waiting for it)
     return STARTUP + max(pg_timeout, item_timeout) * (n_items + 1)
@@ -66,12 +70,18 @@ class CaseVerdict:
         probs = []
         for key, hits in groups.items():
             ts = sorted({t for t, _ in hits})
-            whos = sorted({w for _, w in hits if w}, key=int)
-            if whos:
-                everyone = all(len({w for tt, w in hits if tt == t}) == sizes[t] for t in ts)
-                who = "all ranks" if everyone else rank_list(whos)
-                key = key.replace("rank *", who, 1)
-            probs.append(f"[t={', '.join(map(str, ts))}] {key}")
+            if not any(w for _, w in hits):
+                probs.append(f"[t={', '.join(map(str, ts))}] {key}")
+                continue
+            by_t: dict[int, set] = {}
+            for t, w in hits:
+                by_t.setdefault(t, set()).add(int(w))
+            who = {t: "all ranks" if len(by_t[t]) == sizes[t] else rank_list(by_t[t]) for t in ts}
+            if len(set(who.values())) == 1:      # the same ranks at every size: "[t=2, 4] rank 1: ..."
+                head_ = f"[t={', '.join(map(str, ts))}] {who[ts[0]]}"
+            else:                                # "[t=2] rank 1, [t=4] rank 3: ..."
+                head_ = ", ".join(f"[t={t}] {who[t]}" for t in ts)
+            probs.append(head_ + key[len("rank *"):])
         head = f"{self.name}: FAILED"
         body = "\n".join(f"  - {p}".replace("\n", "\n    ") for p in probs[:limit])
         more = f"\n  ... and {len(probs) - limit} more problem(s) of the same check." if len(probs) > limit else ""
@@ -167,7 +177,7 @@ def _missing_reason(job_rank: int, item: dict, run, progress: dict, finished_by:
     tail = [ln for ln in (run.rank_output(job_rank) if run is not None else "").strip().splitlines()
             if not _C10D_NOISE.search(ln)][-6:]
     shown = ("\n    last output: " + "\n    ".join(tail)) if tail else ""
-    return f"rank {label}: its process {how}, {where}{others}.{shown}"
+    return f"rank {label}: the process {how}, {where}{others}.{shown}"
 
 
 def _desync(results: dict) -> str | None:
@@ -315,6 +325,9 @@ def _attempt(jobdir, k, items, backend, launcher, mode, pg_timeout, stream, wrap
                 results["progress"][r] = json.load(f)
         except (OSError, ValueError):
             results["progress"][r] = {}
+    if not any(results["progress"].values()) and not run.ok:
+        # no rank ever reached the harness: a broken installation or sandbox, not the student's code
+        raise GraderCannotRun(f"the grader could not start its ranks ({run.root_cause()[-1500:]})")
     complete = [_complete(it, results) for it in items]
     # a rank that did not reach the end of the launch (died, was killed, left with os._exit, hung)
     ended_early = run.timed_out or any(results["progress"][r].get("phase") != "done" for r in range(world))

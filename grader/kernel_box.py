@@ -11,6 +11,7 @@ notebook through the protocol, so the student's feedback keeps them.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -18,6 +19,24 @@ import tempfile
 from jupyter_client.manager import AsyncKernelManager
 
 from grader.sandbox import KERNEL_VIEW, ROOT, Sandbox, clean_env, give_to
+
+
+@contextlib.contextmanager
+def grading_kernel_env():
+    """While a submitted notebook runs for grading: the in-kernel check() stands down (the trusted checks
+    grade) and the student's own %%torchrun demo cells are not run (a demo that hangs or crashes must not
+    hold up or sink the grade; the ranks that grade are the trusted job's)."""
+    keys = {"GRADER_DEFER_CHECKS": "1", "COURSE_GRADING": "1"}
+    old = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class BoxedKernelManager(AsyncKernelManager):

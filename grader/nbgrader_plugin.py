@@ -9,12 +9,12 @@ grade cell's outputs, which `SaveAutoGrades` scores: an error output scores 0.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 from nbformat.notebooknode import from_dict
 from nbgrader.preprocessors import Execute, NbGraderPreprocessor
 
+from grader.kernel_box import BoxedKernelManager, grading_kernel_env
 from grader.notebook import grade_cells, module_sources
 
 
@@ -23,19 +23,11 @@ class DeferredExecute(Execute):
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        from grader.kernel_box import BoxedKernelManager
         self.kernel_manager_class = BoxedKernelManager
 
     def preprocess(self, nb, resources):
-        old = os.environ.get("GRADER_DEFER_CHECKS")
-        os.environ["GRADER_DEFER_CHECKS"] = "1"
-        try:
+        with grading_kernel_env():
             return super().preprocess(nb, resources)
-        finally:
-            if old is None:
-                os.environ.pop("GRADER_DEFER_CHECKS", None)
-            else:
-                os.environ["GRADER_DEFER_CHECKS"] = old
 
 
 def verdict_outputs(report, names: list[str]) -> list[dict]:
@@ -73,11 +65,10 @@ def run_trusted(nb, log=None):
 class TrustedChecks(NbGraderPreprocessor):
     def preprocess(self, nb, resources):
         cells, report = run_trusted(nb, self.log)
+        if isinstance(report, Exception):   # never a grade from a grader that did not run: fail loudly
+            raise RuntimeError(f"the trusted checks could not run, nothing was graded: {report}") from report
         for i, cell, names, _ in cells:
-            if isinstance(report, Exception):
-                cell.outputs = [from_dict({"output_type": "error", "ename": "GraderError", "evalue": str(report),
-                                           "traceback": [f"the grader could not run: {report}"]})]
-            elif report is not None:
+            if report is not None:
                 cell.outputs = verdict_outputs(report, names)
         if report is not None and not isinstance(report, Exception):
             self.log.info("trusted checks: %d/%d passed in %.1f s",

@@ -80,12 +80,12 @@ def autograde(course: str, week: str, submissions: dict[str, dict], jobs: int = 
     """Put each {student: notebook_json} under submitted/ and autograde them, `jobs` students at a time;
     returns the gradebook rows."""
     import io
-    from grader.class_autograde import autograde_parallel
+    from grader.class_autograde import autograde_class
     nb_name = [f for f in os.listdir(os.path.join(course, "labs", week)) if f.endswith(".ipynb")][0]
     for student, nb in submissions.items():
         d = os.path.join(course, "submitted", student, week)
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, nb_name), "w") as f:
             json.dump(nb, f, indent=1)
-    autograde_parallel(course, week, jobs=jobs, students=list(submissions), out=out or io.StringIO())
+    autograde_class(course, week, jobs=jobs, students=list(submissions), out=out or io.StringIO())
     return gradebook_rows(course, week)

@@ -53,6 +53,9 @@ def parse_args(line: str) -> argparse.Namespace:
 def run_cell(line: str, cell: str, print_fn=print):
     from launch import run
     a = parse_args(line)
+    if os.environ.get("COURSE_GRADING") == "1":   # grader.kernel_box: demos are not run while grading
+        print_fn(f"(%%torchrun -n {a.nproc}: not run while the notebook is being graded)")
+        return None
     code = cell if a.no_init else PREAMBLE + cell + POSTAMBLE
     with tempfile.NamedTemporaryFile("w", suffix="_cell.py", delete=False) as f:
         f.write(code)

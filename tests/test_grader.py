@@ -119,3 +119,100 @@ def test_check_in_kernel_is_deferred_and_validates(monkeypatch, capsys):
     monkeypatch.delenv("GRADER_DEFER_CHECKS")
     with pytest.raises(KeyError, match="no check named 'week02/nope'"):
         check("week02/nope")
+
+
+# -- messages that point at the cause ---------------------------------------------------------------
+def _run(exitcodes, order, timed_out=False, output=""):
+    from launch.runner import RunResult
+    return RunResult(returncode=1, exitcodes=exitcodes, output=output, timed_out=timed_out, seconds=3.0, nproc=4,
+                     backend="gloo", launcher="fork", order=order)
+
+
+def test_rank_lists_are_said_once_and_in_good_grammar():
+    from grader.compare import rank_list
+    assert rank_list([1, 1]) == "rank 1"                   # not "rank 1, 1"
+    assert rank_list([3, 1]) == "ranks 1 and 3"
+    assert rank_list([0, 1, 2, 3]) == "ranks 0, 1, 2 and 3"
+
+
+def test_a_rank_that_lost_its_peers_is_not_blamed():
+    from grader.job import _missing_reason
+    item = {"id": "week02/mlp@t4", "t": 4}
+    run = _run({1: -11, 0: -15, 2: -15, 3: -15}, order=[1, 0, 2, 3])
+    progress = {0: {"item": item["id"], "where": "waiting", "op": "all_reduce", "index": 1, "phase": "forward"},
+                1: {"item": item["id"], "phase": "forward", "where": "between collectives"}}
+    crashed = _missing_reason(1, item, run, progress, [])
+    assert crashed.startswith("rank 1: the process crashed (signal 11, a segmentation fault)")
+    stopped = _missing_reason(0, item, run, progress, [])
+    assert "stopped by the grader after rank 1's process ended" in stopped
+    assert "os._exit" not in stopped and "signal 15" not in stopped
+
+
+def test_an_abort_inside_a_collective_names_the_size_mismatch():
+    from grader.job import _missing_reason
+    item = {"id": "week04/embedding@t2", "t": 2}
+    run = _run({0: -6, 1: -6}, order=[0, 1])
+    progress = {0: {"item": item["id"], "where": "inside", "op": "all_reduce", "index": 1, "phase": "forward"}}
+    msg = _missing_reason(0, item, run, progress, [])
+    assert "aborted (signal 6): gloo aborts a process when the ranks pass tensors of different sizes" in msg
+    assert "not in a collective" not in msg and "in all_reduce #1 (forward)" in msg
+
+
+def test_problems_merged_across_sizes_name_the_rank_at_each_size():
+    from grader.compare import ItemVerdict
+    from grader.job import CaseVerdict
+    nan = "`y` contains NaN (1 of 6 values, first at [0, 0])."
+    items = [ItemVerdict("c@t2", "c", 2, False, [f"rank 1: {nan}"]),
+             ItemVerdict("c@t4", "c", 4, False, [f"rank 3: {nan}"])]
+    msg = CaseVerdict("c", False, items).message()
+    assert f"[t=2] rank 1, [t=4] rank 3: {nan}" in msg
+    same = [ItemVerdict("c@t2", "c", 2, False, ["rank 0: x."]), ItemVerdict("c@t4", "c", 4, False, ["rank 0: x."])]
+    assert "[t=2, 4] rank 0: x." in CaseVerdict("c", False, same).message()
+
+
+def test_a_blocking_first_send_is_named_as_such():
+    from grader.rank.watch import Watch
+    w = Watch.__new__(Watch)
+    msg = w._message((("waiting", "send", 1, "forward"), ("waiting", "send", 1, "forward")))
+    assert msg.startswith("deadlock: rank 0 waits in send #1 (forward); rank 1 waits in send #1 (forward)")
+    assert "no peer is sending" in msg and "batch_isend_irecv" in msg
+    msg = w._message((("finished",), ("waiting", "all_reduce", 2, "backward")))
+    assert msg.startswith("deadlock: rank 0 had finished this check; rank 1 waits in all_reduce #2 (backward)")
+
+
+def test_a_students_traceback_starts_and_ends_in_their_code(tmp_path):
+    from grader.rank.entry import user_traceback
+    student = tmp_path / "student"
+    student.mkdir()
+    (student / "mine.py").write_text("import torch\n\ndef f(x):\n    return torch.cat([x, x.T], dim=0)\n")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mine", student / "mine.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        (lambda: mod.f(torch.zeros(2, 3)))()       # a harness frame above, torch's below
+    except RuntimeError as exc:
+        tb = user_traceback(exc, str(student))
+    frames = [ln for ln in tb.splitlines() if ln.strip().startswith("File ")]
+    assert frames and all(str(student) in ln for ln in frames), tb
+    assert tb.rstrip().splitlines()[-1].startswith("RuntimeError")
+
+
+def test_importing_course_code_is_named():
+    tb = ('Traceback (most recent call last):\n  File "/j/student/tp_linear.py", line 2, in <module>\n'
+          '    from reference.tp_layers import ColumnParallelLinear\nModuleNotFoundError: No module named \'reference\'')
+    msg = describe_error(tb, 0)
+    assert "imports `reference.tp_layers`" in msg and "not there when grading" in msg
+    from tpkit.selfcheck import course_imports
+    assert course_imports("import torch\nfrom reference.tp_layers import X\nimport grader.job\n") == [
+        (2, "reference.tp_layers"), (3, "grader.job")]
+    assert course_imports("from tpkit.models import DecoderLayer\n") == []
+
+
+def test_self_check_says_early_that_course_code_will_be_missing(tmp_path, monkeypatch):
+    from tpkit import check
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GRADER_DEFER_CHECKS", raising=False)
+    (tmp_path / "tp_linear.py").write_text("from reference.tp_layers import ColumnParallelLinear, RowParallelLinear\n")
+    with pytest.raises(AssertionError, match=r"tp_linear.py line 1 imports `reference.tp_layers`.*score 0"):
+        check("week02/column_parallel")

@@ -76,7 +76,7 @@ def test_fixture_verdict(week, name):
         pytest.skip("needs the sandbox (apt-get install bubblewrap; make test installs it)")
     t0 = time.monotonic()
     got, report = verdicts(build(week, spec))
-    left = job_processes(report.run.job_id)
+    left = [p for run in report.runs for p in job_processes(run.job_id)]
     verdict = " ".join(f"{g}={'pass' if ok else 'FAIL'}" for g, (ok, _) in sorted(got.items()))
     CORPUS_ROWS.append((f"{week}/{name}", verdict, time.monotonic() - t0, len(left)))
     assert not left, f"processes left behind: {left}"

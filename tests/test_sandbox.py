@@ -108,3 +108,23 @@ def test_rank_view_is_what_a_rank_needs():
 def test_sandbox_off_says_so():
     with Sandbox(mode="off") as box:
         assert box.prefix == [] and "sandbox off" in box.notes[0]
+
+
+def test_grading_from_a_symlinked_venv_and_a_checkout_under_tmp():
+    """A venv reached through a symlink into /tmp and a checkout under /tmp (a CI clone) still grade: the
+    box binds real paths, and a grader that could not start its ranks would say so, never score 0."""
+    import subprocess
+    import sys
+    tmp = tempfile.mkdtemp(prefix="grader-clone-")
+    try:
+        clone = os.path.join(tmp, "course")
+        subprocess.run(["git", "clone", "-q", ROOT, clone], check=True)
+        venv = os.path.join(tmp, "venv-link")
+        os.symlink(sys.prefix, venv)
+        py = os.path.join(venv, "bin", "python")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        p = subprocess.run([py, "-m", "grader", "check", "solutions/week02/tp_linear.ipynb", "--no-execute"],
+                           cwd=clone, env={**env, "GRADER_SANDBOX": "on"}, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "score: 8/8" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -25,16 +25,16 @@ from tpkit.ledger import CommLedger
 
 
 def user_traceback(exc: BaseException, student_dir: str) -> str:
-    """The traceback from the student's first frame on: the harness's frames are noise to them."""
+    """The traceback from the student's first frame to their last, then the exception itself."""
     te = traceback.TracebackException.from_exception(exc)
     frames = list(te.stack)
     codes = [f.f_code for f, _ in traceback.walk_tb(exc.__traceback__)]
     if len(codes) == len(frames):   # "ColumnParallelLinear.from_dense", not just "from_dense"
         for fs, code in zip(frames, codes):
             fs.name = getattr(code, "co_qualname", fs.name)
-    first = next((i for i, f in enumerate(frames) if f.filename.startswith(student_dir)), None)
-    if first is not None:
-        te.stack = traceback.StackSummary.from_list(frames[first:])
+    mine = [i for i, f in enumerate(frames) if f.filename.startswith(student_dir)]
+    if mine:   # from the student's first frame to their last: torch's and the harness's frames are noise
+        te.stack = traceback.StackSummary.from_list(frames[mine[0]:mine[-1] + 1])
     return "".join(te.format())
 
 

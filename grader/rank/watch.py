@@ -6,20 +6,26 @@ the item's group are (each rank's progress file: the ledger writes "inside" a co
 "waiting" on one, the entry "finished" after the item). When every rank of the group is waiting or
 has finished the item, and they are not all waiting on the same collective, no wait can ever
 complete: that is a deadlock, and after the picture has held still for `STABLE_S` the waiting ranks
-raise `Deadlock`, which names who waits where. The process-group timeout stays as the backstop (a
-rank blocked where no Work is waited on, e.g. a functional collective).
+raise `Deadlock`, which names who waits where. gloo completes a send/recv only inside `wait()`, so a
+rank blocked in one cannot poll: a thread watches for it, and when the process-group timeout ends the
+wait the verdict is the picture the thread saw. The process-group timeout stays the backstop (and ends
+a rank blocked where no Work is waited on, e.g. a functional collective).
 """
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import torch
 
 STABLE_S = 1.0           # the same all-blocked picture this long means nothing is in flight
+STABLE_P2P_S = 3.0       # ... and when every wait is a send/recv, whose data may still be on the way
 CHECK_EVERY_S = 0.05
 P2P = ("send", "recv")
+_OpType = torch._C._distributed_c10d.OpType
+_P2P_TYPES = {int(_OpType.SEND): "send", int(_OpType.RECV): "recv", int(_OpType.RECVANYSOURCE): "recv"}
 
 
 class Deadlock(BaseException):
@@ -78,27 +84,63 @@ class Watch:
     def _wait(self, work):
         if work.is_completed():
             return self._orig(work)
-        last = self.ledger.entries[-1] if self.ledger is not None and self.ledger.entries else {}   # just issued
-        self._write({"item": self.item, "where": "waiting", "op": last.get("op", "a collective"),
-                     "index": last.get("index", "?"), "phase": getattr(self.ledger, "phase", "?")})
-        delay, picture, since = 1e-4, None, 0.0
-        next_check = time.monotonic() + CHECK_EVERY_S
+        entries = self.ledger.entries if self.ledger is not None else []
+        kind = _P2P_TYPES.get(int(work._get_op_type()))
+        if kind:        # a send or recv: the latest of that kind this rank issued
+            op, index = kind, sum(1 for e in entries if e.get("op") == kind) or "?"
+        else:           # a collective: the one just issued
+            op, index = (entries[-1].get("op"), entries[-1].get("index")) if entries else ("a collective", "?")
+        p2p = kind is not None
+        self._write({"item": self.item, "where": "waiting", "op": op, "index": index,
+                     "phase": getattr(self.ledger, "phase", "?")})
         try:
-            while not work.is_completed():
-                time.sleep(delay)
-                delay = min(2 * delay, 5e-3)
-                now = time.monotonic()
-                if now < next_check:
-                    continue
-                next_check = now + CHECK_EVERY_S
-                seen = self._deadlock_picture()
-                if seen is None or seen != picture:
-                    picture, since = seen, now
-                elif now - since >= STABLE_S:
-                    raise Deadlock(self._message(seen))
+            if p2p:
+                return self._wait_p2p(work)
+            self._poll(work.is_completed)
         finally:
             self._write({"item": self.item, "where": "between collectives", "phase": getattr(self.ledger, "phase", "?")})
         return self._orig(work)
+
+    def _poll(self, done) -> None:
+        """Wait until done(); raise Deadlock once the group's all-blocked picture has held still."""
+        delay, picture, since = 1e-4, None, 0.0
+        next_check = time.monotonic() + CHECK_EVERY_S
+        while not done():
+            time.sleep(delay)
+            delay = min(2 * delay, 5e-3)
+            now = time.monotonic()
+            if now < next_check:
+                continue
+            next_check = now + CHECK_EVERY_S
+            seen = self._deadlock_picture()
+            if seen is None or seen != picture:
+                picture, since = seen, now
+            elif now - since >= (STABLE_P2P_S if all(s[0] == "finished" or s[1] in P2P for s in seen) else STABLE_S):
+                raise Deadlock(self._message(seen))
+
+    def _wait_p2p(self, work):
+        """gloo completes a send/recv only inside wait(), so it cannot be polled: wait for real, and let a
+        thread watch the picture meanwhile. A deadlock cannot be broken from here (the process-group timeout
+        ends the wait), but what the thread saw becomes the verdict instead of a bare timeout."""
+        finished, seen = threading.Event(), []
+
+        def watch():
+            try:
+                self._poll(finished.is_set)
+            except Deadlock as d:
+                seen.append(str(d))
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        try:
+            return self._orig(work)
+        except Exception as exc:
+            if seen:
+                raise Deadlock(seen[0]) from exc
+            raise
+        finally:
+            finished.set()
+            thread.join(timeout=1.0)
 
     def _deadlock_picture(self) -> tuple | None:
         """The group's states when no wait can complete (all waiting or finished, not all on one collective)."""
@@ -120,9 +162,9 @@ class Watch:
                            else {"where": "finished"}) for i, s in enumerate(picture)]
         waits = [s for s in picture if s[0] == "waiting"]
         if waits and all(s[1] in P2P for s in waits) and not any(s[0] == "finished" for s in picture):
-            why = ("every rank waits for a message no peer is sending: post each send together with its "
+            why = ("Every rank waits for a message no peer is sending: post each send together with its "
                    "receive (dist.batch_isend_irecv, or isend before recv) so no rank blocks in its first one.")
         else:
-            why = ("a rank that skips or adds a collective, or issues them in another order, leaves the "
+            why = ("A rank that skips or adds a collective, or issues them in another order, leaves the "
                    "others waiting forever.")
         return "deadlock: " + "; ".join(parts) + ". " + why
