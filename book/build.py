@@ -1,7 +1,7 @@
 """Build the self-study site: `python book/build.py` (what `make book` runs).
 
 1. Discover what is present *now*: lecture notebooks `notebooks/week*.ipynb`, released labs
-   `labs/week*/*.ipynb`, and the guides `docs/student.md`, `docs/instructor.md`.
+   `labs/week*/*.ipynb`, the guides `docs/student.md`, `docs/instructor.md`, and the bibliography `docs/sources.md`.
 2. Stage them under build/book-src/ with the repository's relative layout, so the links the
    notebooks already use (`../labs/week02/tp_linear.ipynb`, `week01_x.ipynb#a-section`) resolve as
    they do on GitHub; a linked repository file that is not a page (`../grader/ledger.py`, a figure)
@@ -30,7 +30,7 @@ import urllib.parse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-GUIDES = [("docs/student.md", "Student guide"), ("docs/instructor.md", "Instructor guide")]
+GUIDES = [("docs/student.md", "Student guide"), ("docs/instructor.md", "Instructor guide"), ("docs/sources.md", "Sources")]
 _WEEK = re.compile(r"week(\d+)")
 _MD_LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _SRC_ATTR = re.compile(r"""(?:src|href)\s*=\s*["']([^"']+)["']""")

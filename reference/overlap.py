@@ -60,17 +60,19 @@ def ring_all_gather_matmul(x_s, w, group=None, serialize=False):
     stream = comm_stream_for(x_s)
     y = x_s.new_empty(B, t * Tc, w.shape[0])                        # (B, T, O)
     x_full = x_s.new_empty(B, t * Tc, C)                            # (B, T, C), kept for dW
-    bufs = [x_s.contiguous(), torch.empty_like(x_s)]                # double buffer: compute on one, receive into the other
+    cur = x_s.contiguous()                                          # the caller's block: read, never written
+    bufs = [torch.empty_like(x_s), torch.empty_like(x_s)]           # two receive buffers take turns
     for k in range(t):
         src = (r - k) % t                                           # whose block we hold at step k
-        cur = bufs[k % 2]
-        works = _post(cur, bufs[(k + 1) % 2], nxt, prv, group, stream) if k < t - 1 else []  # prefetch k+1 ...
+        nxt_buf = bufs[k % 2]
+        works = _post(cur, nxt_buf, nxt, prv, group, stream) if k < t - 1 else []  # prefetch k+1 ...
         if serialize:
             _wait(works, stream)
             works = []
         y[:, src * Tc:(src + 1) * Tc] = F.linear(cur, w)            # ... while step k's GEMM runs
         x_full[:, src * Tc:(src + 1) * Tc] = cur
         _wait(works, stream)
+        cur = nxt_buf
     return y, x_full
 
 

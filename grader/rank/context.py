@@ -20,6 +20,20 @@ class RankContext:
     device: torch.device
     ledger: Any
     params: dict = field(default_factory=dict)
+    handed: list = field(default_factory=list)   # (name, tensor, copy): what the student's code was given
+
+    def hand(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Give `t` to the student's code; `check_handed` later proves it came back unchanged."""
+        self.handed.append((name, t, t.detach().clone()))
+        return t
+
+    def check_handed(self):
+        """A function may not write into the tensors it is given (its caller still needs them)."""
+        for name, t, copy in self.handed:
+            if t.shape != copy.shape or not torch.equal(t.detach(), copy):
+                raise GradingError(f"your code overwrote its input `{name}` in place: a function may not write "
+                                   "into the tensors it is given (its caller still uses them); receive into "
+                                   "buffers of your own.")
 
     def phase(self, name: str):
         self.ledger.set_phase(name)

@@ -152,6 +152,7 @@ def main(attempt: str) -> int:
             watch.begin(item["id"], ranks, ledger)
             with ledger:
                 out = runners[item["id"]](modules[item["module"]], item["config"], inputs, ctx)
+            ctx.check_handed()
             res["tensors"] = {k: (v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else None)
                               for k, v in out.items()}
         except Deadlock as exc:       # the harness's own verdict: no student frames to show

@@ -6,9 +6,9 @@ the item's group are (each rank's progress file: the ledger writes "inside" a co
 "waiting" on one, the entry "finished" after the item). When every rank of the group is waiting or
 has finished the item, and they are not all waiting on the same collective, no wait can ever
 complete: that is a deadlock, and after the picture has held still for `STABLE_S` the waiting ranks
-raise `Deadlock`, which names who waits where. gloo completes a send/recv only inside `wait()`, so a
-rank blocked in one cannot poll: a thread watches for it, and when the process-group timeout ends the
-wait the verdict is the picture the thread saw. The process-group timeout stays the backstop (and ends
+raise `Deadlock`, which names who waits where. gloo completes a send/recv or a reduce-scatter only inside
+`wait()`, so a rank blocked in one cannot poll: a thread watches for it, and when the process-group
+timeout ends the wait the verdict is the picture the thread saw. The process-group timeout stays the backstop (and ends
 a rank blocked where no Work is waited on, e.g. a functional collective).
 """
 from __future__ import annotations
@@ -26,6 +26,10 @@ CHECK_EVERY_S = 0.05
 P2P = ("send", "recv")
 _OpType = torch._C._distributed_c10d.OpType
 _P2P_TYPES = {int(_OpType.SEND): "send", int(_OpType.RECV): "recv", int(_OpType.RECVANYSOURCE): "recv"}
+# gloo works whose is_completed() turns true by itself (measured); the others complete only inside wait()
+_POLLABLE = {int(getattr(_OpType, n)) for n in ("BROADCAST", "ALLREDUCE", "ALLREDUCE_COALESCED", "REDUCE", "ALLGATHER",
+                                                 "_ALLGATHER_BASE", "ALLGATHER_COALESCED", "GATHER", "SCATTER",
+                                                 "ALLTOALL_BASE", "ALLTOALL", "BARRIER")}
 
 
 class Deadlock(BaseException):
@@ -90,12 +94,11 @@ class Watch:
             op, index = kind, sum(1 for e in entries if e.get("op") == kind) or "?"
         else:           # a collective: the one just issued
             op, index = (entries[-1].get("op"), entries[-1].get("index")) if entries else ("a collective", "?")
-        p2p = kind is not None
         self._write({"item": self.item, "where": "waiting", "op": op, "index": index,
                      "phase": getattr(self.ledger, "phase", "?")})
         try:
-            if p2p:
-                return self._wait_p2p(work)
+            if int(work._get_op_type()) not in _POLLABLE:
+                return self._wait_blocking(work)
             self._poll(work.is_completed)
         finally:
             self._write({"item": self.item, "where": "between collectives", "phase": getattr(self.ledger, "phase", "?")})
@@ -118,10 +121,10 @@ class Watch:
             elif now - since >= (STABLE_P2P_S if all(s[0] == "finished" or s[1] in P2P for s in seen) else STABLE_S):
                 raise Deadlock(self._message(seen))
 
-    def _wait_p2p(self, work):
-        """gloo completes a send/recv only inside wait(), so it cannot be polled: wait for real, and let a
-        thread watch the picture meanwhile. A deadlock cannot be broken from here (the process-group timeout
-        ends the wait), but what the thread saw becomes the verdict instead of a bare timeout."""
+    def _wait_blocking(self, work):
+        """gloo completes a send/recv or a reduce-scatter only inside wait(), so it cannot be polled: wait for
+        real, and let a thread watch the picture meanwhile. A deadlock cannot be broken from here (the
+        process-group timeout ends the wait), but what the thread saw becomes the verdict, not a bare timeout."""
         finished, seen = threading.Event(), []
 
         def watch():

@@ -46,11 +46,11 @@ def _same_bits(got, plain):
 
 # -- the two ring functions (forward only) --------------------------------------------------------
 def run_ag_matmul(mod, cfg, inp, ctx):
-    x_s, w = ctx.shard(inp["x"], 1), ctx.shard(inp["W"], 0)
+    x_s, w = ctx.hand("x_s", ctx.shard(inp["x"], 1)), ctx.hand("weight", ctx.shard(inp["W"], 0))
     ctx.phase("forward")
     y, x_full = mod.ring_all_gather_matmul(x_s, w, ctx.group)
     ctx.phase("harness")                     # the non-overlapped version, outside the contract's phases
-    plain = _plain_ag(x_s, w, ctx.group)
+    plain = _plain_ag(ctx.handed[0][2], w, ctx.group)   # from the untouched copy of x_s
     out = {"y": y, "x_full": x_full}
     if ctx.world_size == 2:
         out["same_bits_as_plain"] = _same_bits(y, plain)
@@ -58,15 +58,15 @@ def run_ag_matmul(mod, cfg, inp, ctx):
 
 
 def run_matmul_rs(mod, cfg, inp, ctx):
-    x, w = ctx.shard(inp["x"], 2), ctx.shard(inp["W"], 1)
+    x, w = ctx.hand("x", ctx.shard(inp["x"], 2)), ctx.hand("weight", ctx.shard(inp["W"], 1))
     ctx.phase("forward")
     y = mod.matmul_reduce_scatter(x, w, ctx.group)
     ctx.phase("harness")
     out = {"y": y}
     if ctx.world_size == 2:
-        out["same_bits_as_plain"] = _same_bits(y, _plain_rs(x, w, 2, ctx.group))
+        out["same_bits_as_plain"] = _same_bits(y, _plain_rs(ctx.handed[0][2], w, 2, ctx.group))
     else:
-        _plain_rs(x, w, ctx.world_size, ctx.group)   # same collectives on every rank in every case
+        _plain_rs(ctx.handed[0][2], w, ctx.world_size, ctx.group)   # same collectives on every rank in every case
     return out
 
 
