@@ -84,6 +84,11 @@ def check_contract(contract: Contract, res: dict, rank: int) -> list[str]:
     for e in entries:
         ops_by_phase.setdefault(str(e.get("phase")), {}).setdefault(str(e.get("op")), 0)
         ops_by_phase[str(e.get("phase"))][str(e.get("op"))] += 1
+    for phase, got in ops_by_phase.items():
+        # every collective counts, barriers included: a phase the contract does not name may have none
+        if contract.counts and phase not in contract.counts and phase not in contract.unchecked:
+            for op, n in sorted(got.items()):
+                problems.append(f"rank {rank}: {phase} used {n} {op}; the contract allows no collective there.")
     for phase, want in contract.counts.items():
         got = ops_by_phase.get(phase, {})
         for op in sorted(set(want) | set(got)):
@@ -153,6 +158,8 @@ def describe_error(tb: str, rank, res: dict | None = None) -> str:
                 "never end the process.")
     if last.startswith("grader.rank.watch.Deadlock:"):
         return last.split(":", 1)[1].strip()        # the same picture on every waiting rank: said once
+    if last.startswith("grader.rank.seal.Tampered:"):
+        return f"rank {rank}: " + last.split(":", 1)[1].strip()
     if last.startswith(("GradingError:", "grader.rank.context.GradingError:")):
         return f"rank {rank}: " + last.split(":", 1)[1].strip()
     if is_comm_error(tb):

