@@ -87,6 +87,7 @@ X_HINT = "Work on a copy: the function must return a new tensor and leave its in
 # (name, function, shape, seed); hidden variants draw a fresh seed and use sizes not divisible by 2, 3 or 4
 _SPECS = [
     ("reduce_scatter", "ring_reduce_scatter", [24, 5], 10),
+    ("reduce_scatter_uneven", "ring_reduce_scatter", [201], 13),   # t=4: tensor_split 51,50,50,50; chunk 51,51,51,48
     ("reduce_scatter_hidden", "ring_reduce_scatter", [1001], None),
     ("all_gather", "ring_all_gather", [6, 4], 11),
     ("all_gather_hidden", "ring_all_gather", [7, 3, 5], None),

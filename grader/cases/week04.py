@@ -116,6 +116,7 @@ CE = [("cross_entropy", (2, 4), _c(), 2),
       ("cross_entropy_uneven", (2, 4), _c(vocab=30, ignore_frac=0.3), 3),
       ("cross_entropy_smoothing", (2, 4), _c(vocab=30, ignore_frac=0.3, smoothing=0.1), 4),
       ("cross_entropy_hidden", (3, 4), _c(batch=3, seq=5, vocab=37, ignore_frac=0.2), None),
+      ("cross_entropy_ignore_real_id", (2, 4), _c(seq=6, vocab=22, ignore_index=5, ignore_frac=0.25), 5),
       ("cross_entropy_ignore_real_id_hidden", (2, 4), _c(seq=7, vocab=21, ignore_index=3, ignore_frac=0.2), None),
       ("cross_entropy_smoothing_hidden", (3, 4), _c(batch=1, seq=9, vocab=53, ignore_frac=0.2, smoothing=0.2), None)]
 

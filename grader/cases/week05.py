@@ -151,3 +151,16 @@ for name, cfg, seed in [
     register(Case(name=f"week05/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_block_inputs,
                   reference=_block_reference, run_rank="run_block", expected=_block_expected,
                   contract=_block_contract, seed=seed, hidden=seed is None, title="SPDecoderLayer", hints=HINTS))
+
+
+# -- the divisibility rule the task states ---------------------------------------------------------
+DIVISIBILITY = ("kv heads not divisible by t raises ValueError (1 = yes)",
+                "FFN width not divisible by t raises ValueError (1 = yes)")
+register(Case(name="week05/divisibility", module=MODULE, world_sizes=(2, 4), config={},
+              make_inputs=lambda cfg, gen: {"unused": torch.zeros(1)}, reference=lambda cfg, inp: {},
+              run_rank="run_divisibility", expected=lambda cfg, ref, r, t: {k: torch.tensor(1) for k in DIVISIBILITY},
+              contract=lambda cfg, t: Contract(allowed_ops=set()), seed=7, title="SPDecoderLayer divisibility",
+              hints={DIVISIBILITY[0]: "The task: raise ValueError in from_dense when num_key_value_heads % t != 0 "
+                                      "(a kv head cannot be split across ranks).",
+                     DIVISIBILITY[1]: "The task: raise ValueError in from_dense when intermediate_size % t != 0 "
+                                      "(gate/up rows and down columns must split evenly)."}))

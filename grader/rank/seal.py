@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 import torch
 
@@ -26,6 +27,12 @@ class Tampered(BaseException):
 
 
 def _callables(prefix: str, namespace: dict) -> dict[str, int]:
+    with warnings.catch_warnings():      # looking at a deprecated name (dist.reduce_op) must not warn
+        warnings.simplefilter("ignore")
+        return _ids(prefix, namespace)
+
+
+def _ids(prefix: str, namespace: dict) -> dict[str, int]:
     out = {}
     for name, obj in list(namespace.items()):
         if callable(obj) and not isinstance(obj, type):

@@ -60,3 +60,23 @@ def run_block(mod, cfg, inp, ctx):
         p = params.get(f"{name}.weight")
         out[f"d{name.split('.')[-1]}"] = None if p is None else p.grad
     return out
+
+
+def run_divisibility(mod, cfg, inp, ctx):
+    """from_dense on layers t cannot split: kv heads, then the FFN width, not divisible by t. 1 = ValueError."""
+    t = ctx.world_size
+    out = {}
+    for key, mc in (("kv heads not divisible by t raises ValueError (1 = yes)",
+                     ModelConfig(hidden_size=8 * t, intermediate_size=8 * t, num_attention_heads=2 * t + 2,
+                                 num_key_value_heads=t + 1)),
+                    ("FFN width not divisible by t raises ValueError (1 = yes)",
+                     ModelConfig(hidden_size=8 * t, intermediate_size=8 * t + 1, num_attention_heads=2 * t,
+                                 num_key_value_heads=t))):
+        layer = init_weights(DecoderLayer(mc), 0)
+        try:
+            mod.SPDecoderLayer.from_dense(layer, group=ctx.group)
+            raised = 0
+        except ValueError:
+            raised = 1
+        out[key] = torch.tensor(raised)
+    return out
