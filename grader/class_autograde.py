@@ -118,7 +118,7 @@ def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] |
             try:
                 with open(os.path.join(reports, f"{s}.json")) as f:
                     r = json.load(f)
-                logs.append(f"{s}: {r.get('error') or r.get('log', '')}"[-2000:])
+                logs.append(f"{s}: {r.get('log', '')[-3000:]}\n{r.get('error', '')[-1500:]}")
             except (OSError, ValueError):
                 logs.append(f"{s}: the worker ended without a report")
         raise RuntimeError("autograde failed for " + ", ".join(still) + ":\n" + "\n".join(logs))

@@ -173,7 +173,8 @@ class Sandbox:
         # not walk through them, so make every parent of a bind first, world-traversable
         parents = sorted({os.path.dirname(d) for d in [dest for _, dest in binds] + self.readable + self.writable})
         for parent in parents:
-            steps = [p for p in _ancestors(parent) if not p.startswith(("/tmp/", "/usr/", "/etc/")) and p != "/tmp"]
+            steps = [p for p in _ancestors(parent) if p != "/tmp" and not any(
+                p == d or p.startswith(d + "/") for d in SYSTEM)]
             for step in steps:
                 if step not in args:
                     args += ["--perms", "0755", "--dir", step]
