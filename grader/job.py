@@ -311,7 +311,11 @@ def _attempt(jobdir, k, items, backend, launcher, mode, pg_timeout, stream, wrap
         give_to(here, box.uid)
         run = launch_run("grader.rank.entry", world, [here], backend=backend, launcher=launcher,
                          timeout=job_wall_clock(len(items), pg_timeout, max(it["timeout"] for it in items)),
-                         kill_grace=KILL_GRACE, pg_timeout=pg_timeout, stream=stream, preload=("grader.rank.entry",),
+                         kill_grace=KILL_GRACE, pg_timeout=pg_timeout, stream=stream,
+                         # once, before the fork: what backward() imports lazily (sympy, ~0.5 s per process),
+                         # each week's run functions and what they import (e.g. DTensor)
+                         preload=("torch.fx.experimental.symbolic_shapes", "grader.rank.entry",
+                                  *dict.fromkeys(f"grader.rank.{it['case'].split('/')[0]}" for it in items)),
                          wrap=tuple(box.prefix) + tuple(wrap), base_env=box.base_env(os.environ),
                          env={"PYTHONPATH": _pythonpath(ROOT), "COURSE_STOP_GRACE": str(STOP_GRACE), **box.env},
                          cwd=outdir, interactive=interactive)

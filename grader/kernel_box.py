@@ -77,7 +77,10 @@ class BoxedKernelManager(AsyncKernelManager):
         prefix = list(self.box.prefix)
         sep = prefix.index("--")
         setenv = ["--clearenv"] + [a for k, v in env.items() for a in ("--setenv", k, v)]
-        return prefix[:sep] + setenv + prefix[sep:] + cmd
+        # the kernel's own stdout/stderr (ipykernel's banner, crashes) go to a log in the scratch folder:
+        # what the student's cells print reaches the notebook through the protocol, not through these
+        log = ["/bin/sh", "-c", 'exec "$@" >>"$0" 2>&1', os.path.join(self.scratch, "kernel.log")]
+        return prefix[:sep] + setenv + prefix[sep:] + log + cmd
 
     async def _async_cleanup_resources(self, restart: bool = False) -> None:
         await super()._async_cleanup_resources(restart=restart)

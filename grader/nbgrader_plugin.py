@@ -9,13 +9,11 @@ grade cell's outputs, which `SaveAutoGrades` scores: an error output scores 0.
 """
 from __future__ import annotations
 
-import warnings
-
 from nbformat.notebooknode import from_dict
 from nbgrader.preprocessors import Execute, NbGraderPreprocessor
 
 from grader.kernel_box import BoxedKernelManager, grading_kernel_env
-from grader.notebook import grade_cells, module_sources
+from grader.notebook import run_trusted
 
 
 class DeferredExecute(Execute):
@@ -40,26 +38,6 @@ def verdict_outputs(report, names: list[str]) -> list[dict]:
     msg = "\n".join(c.message() for c in failed)
     return [from_dict({"output_type": "error", "ename": "AssertionError", "evalue": msg,
                        "traceback": ["AssertionError: " + msg]})]
-
-
-def run_trusted(nb, log=None):
-    """Run all grade-cell checks of `nb` outside the kernel; returns (cells, report or exception)."""
-    from grader.job import run_checks
-    cells = grade_cells(nb)
-    names: list[str] = []
-    for _, _, ns, _ in cells:
-        names += [n for n in ns if n not in names]
-    if not names:
-        return cells, None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            report = run_checks(names, module_sources(nb))
-        except Exception as exc:  # the grader itself failed: never a silent pass
-            if log:
-                log.error("trusted checks failed to run: %s", exc)
-            return cells, exc
-    return cells, report
 
 
 class TrustedChecks(NbGraderPreprocessor):

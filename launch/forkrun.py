@@ -119,14 +119,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.forkrun")
     p.add_argument("--nproc", type=int, required=True)
 
-    p.add_argument("--preload", default="", help="comma-separated modules to import before forking")
+    p.add_argument("--preload", default="", help="comma-separated modules to import before forking (what the "
+                   "ranks need beyond torch, e.g. torch._dynamo for DTensor: ~2 s, paid once, not once per rank)")
     p.add_argument("-m", dest="module", action="store_true", help="target is a module")
     p.add_argument("target")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
 
     import torch  # the whole point: paid once, shared by every rank via fork
-    import torch._dynamo  # noqa: F401  nn.Linear imports it lazily (~1 s): once here, not once per rank
     torch.set_num_threads(1)
     for name in filter(None, a.preload.split(",")):
         importlib.import_module(name)

@@ -80,7 +80,8 @@ def _serve_job(req: dict, out_fd: int):
 def serve(path: str, preload: list[str]):
     import importlib
     import torch
-    import torch._dynamo  # noqa: F401  (see launch.forkrun)
+    import torch._dynamo  # noqa: F401  DTensor and torch.compile cells import it: once, here
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401  backward() imports it lazily (sympy)
     torch.set_num_threads(1)
     for name in preload:
         importlib.import_module(name)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from grader.nbgrader_plugin import run_trusted
+from grader.notebook import run_trusted
 from launch.runner import job_processes
 from grader.nbgrader_tools import ROOT, weeks
 from tests.corpus import FIXTURES, SECRET, build, expand, load_manifest, plant_secret
@@ -50,7 +50,7 @@ def test_release_matches_solutions():
 @pytest.mark.parametrize("week", WEEKS)
 def test_solution_and_stub_trusted(week):
     got, report = verdicts(build(week, {"base": "solution"}))
-    assert all(ok for ok, _ in got.values()), f"the solution fails:\n" + "\n".join(t for _, t in got.values())
+    assert all(ok for ok, _ in got.values()), "the solution fails:\n" + "\n".join(t for _, t in got.values())
     got, _ = verdicts(build(week, {}))
     assert not any(ok for ok, _ in got.values()), f"a stub passes: {[g for g, (ok, _) in got.items() if ok]}"
     for gid, (_, text) in got.items():

@@ -19,13 +19,13 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from tpkit.dispatch import MeasuringMode
 
 _GATHER_OUT_ARG = {"_allgather_base_", "allgather_into_tensor_coalesced_"}   # c10d ops: output is args[0]
 _GATHER_RETURNS = {"all_gather_into_tensor"}                                  # functional: output is returned
 
 
-class GatherWatch(TorchDispatchMode):
+class GatherWatch(MeasuringMode):
     def __init__(self):
         super().__init__()
         self._live: list[tuple[weakref.ref, int, int]] = []   # (ref, storage ptr, bytes)

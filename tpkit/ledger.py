@@ -17,7 +17,7 @@ import os
 from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from tpkit.dispatch import MeasuringMode
 
 # dispatcher op name -> the course's name for it
 _OPS = {
@@ -67,7 +67,7 @@ def ring_bytes_sent(op: str, full_bytes: int, t: int) -> float:
             "send": full_bytes}.get(op, 0.0)
 
 
-class CommLedger(TorchDispatchMode):
+class CommLedger(MeasuringMode):
     """Record collectives. `phase` tags entries (e.g. "forward", "backward").
 
     progress_file: rewritten before and after each collective, so a trusted process can say

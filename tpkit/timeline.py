@@ -11,14 +11,14 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from tpkit.dispatch import MeasuringMode
 
 
 # -- per-rank timelines and overlap efficiency ----------------------------------------------------
 _P2P = {"send", "recv_"}
 
 
-class Timeline(TorchDispatchMode):
+class Timeline(MeasuringMode):
     """Timestamps on this rank: compute ops (GEMMs and copies, merged), P2P posts, time blocked in Work.wait().
 
     Work.wait is wrapped only while the timeline is active. CPU clocks: on a GPU, GEMM times here are

@@ -17,7 +17,7 @@ import math
 import torch
 
 from grader.case import Case, Contract, register
-from grader.rank.week07 import CHECKED_PARAMS
+from grader.rank.week07 import CHECKED_PARAMS, FSDP_LAYERS, FSDP_OTHER, FSDP_ROOT, PADDED_IDS, PADDED_LABELS
 from tpkit.models import DecoderLayer, ForCausalLM, init_weights
 
 
@@ -91,7 +91,14 @@ def _reference(cfg, inp):
     loss.backward()
     out = {"loss": loss.detach(), "logits": logits.detach()}
     out.update({f"grad:{n}": p.grad for n, p in model.named_parameters()})
+    if cfg["kind"] == "padding":
+        out["input:ids"], out["input:labels"] = inp["input_ids"], inp["labels"]
     return out
+
+
+def _padded(x, t, value):
+    """The task's padding rule: on the right, to the next multiple of t."""
+    return torch.nn.functional.pad(x, (0, (-x.shape[1]) % t), value=value)
 
 
 def _expected(cfg, ref, r, t):
@@ -105,8 +112,15 @@ def _expected(cfg, ref, r, t):
         elif k == "logits":
             if cfg["kind"] == "model":
                 out[k] = v.chunk(t, dim=-1)[r].contiguous()    # loss parallel: this rank's vocab slice
+        elif k == "input:ids":
+            out[PADDED_IDS] = _padded(v, t, 0)
+        elif k == "input:labels":
+            out[PADDED_LABELS] = _padded(v, t, -100)
         else:
             out[k] = v
+    if cfg["kind"] == "fsdp_tp":
+        out.update({FSDP_LAYERS: torch.tensor([_cfg(cfg).num_hidden_layers]), FSDP_ROOT: torch.tensor([1]),
+                    FSDP_OTHER: torch.tensor([0])})
     return out
 
 
@@ -150,6 +164,14 @@ HINTS = {
     "logits": "Each rank's logits must be its vocab slice (ColwiseParallel on lm_head, output Shard(-1)).",
     "losses": "The 2-D step must match one dense SGD step on the full batch: shard each decoder layer and "
               "then the root with fully_shard(..., mesh=dp_mesh) after the TP plan.",
+    PADDED_IDS: "pad_for_sp pads on the right to the next multiple of t, the ids with 0.",
+    PADDED_LABELS: "pad_for_sp pads on the right to the next multiple of t, the labels with ignore_index (-100), "
+                   "so the loss ignores the padded positions.",
+    FSDP_LAYERS: ("apply_fsdp must make one fully_shard unit per decoder layer (fully_shard(layer, mesh=dp_mesh) for "
+                  "each layer of model.model.layers), then one for the root: a root-only unit gives the same numbers "
+                  "but gathers every weight of the model at once."),
+    FSDP_ROOT: "apply_fsdp must end with fully_shard(model, mesh=dp_mesh) on the root (embedding, final norm, lm_head).",
+    FSDP_OTHER: "One fully_shard unit per decoder layer plus the root, and no other (not per linear or per norm).",
 }
 NORM_HINT = ("A replicated norm weight sees only this rank's tokens under SP: wrap the norm in SequenceParallel() "
              "so its grad is summed over the sequence shards.")

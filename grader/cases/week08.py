@@ -14,6 +14,7 @@ import math
 import torch
 
 from grader.case import Case, Contract, register
+from grader.rank.week08 import BWD_AHEAD, FWD_AHEAD
 
 
 MODULE = "gtp_linear"
@@ -47,9 +48,12 @@ def _reference(cfg, inp):
 
 
 def _expected(cfg, ref, r, t):
+    L = len(cfg["dims"]) - 1
+    ahead = torch.tensor([1] * (L - 1) + [0], dtype=torch.int64)     # the next weight in flight; none after the last
     out = {"y": ref["y"].chunk(t, 0)[r].contiguous(), "peak_gathered_weights": torch.tensor(2.0),
-           "full_weights_saved_for_backward": torch.tensor(0.0)}
+           "full_weights_saved_for_backward": torch.tensor(0.0), FWD_AHEAD: ahead}
     if cfg["backward"]:
+        out[BWD_AHEAD] = ahead
         out["dx"] = ref["dx"].chunk(t, 0)[r].contiguous()
         for i in range(len(cfg["dims"]) - 1):
             out[f"dW{i}"] = ref[f"dW{i}"].chunk(t, 0)[r].contiguous()   # this rank's rows of the summed grad
@@ -85,6 +89,13 @@ HINTS = {
     "y": "Rank r computes its own micro-batch with the full weight: check the gather order (rank r's shard "
          "lands in rows r*out/t..) and the GELU between layers (none after the last).",
     "dx": "dX = dY W_i with the full (re-gathered) weight; no collective on activations.",
+    FWD_AHEAD: ("In forward, start the gather of weight i+1 BEFORE the GEMM of weight i (wait(i), start(i+1), then "
+                "x @ w.T), so it travels while the GEMM runs: 1 at every weight but the last. 0 means the next gather "
+                "starts after the GEMM (or only when it is needed); more than 1 means weights are gathered too early. "
+                "(The GEMM is recognised by reading the gathered buffer itself, or a view of it such as w.T.)"),
+    BWD_AHEAD: ("In backward (layers in reverse), start the gather of weight i-1 right after wait(i), BEFORE dX = dY W_i: "
+                "1 at every weight but layer 0. 0 means backward never prefetches (every gather is cold) or starts "
+                "it after the GEMM."),
 }
 for _i in range(8):
     HINTS[f"dW{_i}"] = ("Each rank's grad shard is its rows of the dense grad summed over all ranks' micro-batches: "

@@ -13,19 +13,22 @@ from __future__ import annotations
 import torch
 
 from tpkit import pipeline as pl
-from reference import planner
+from reference import planner, schedules
 from grader.case import Case, Contract, register
-from grader.rank.week09 import (BUBBLE, BYTES, GRADS, ONCE, OTHER, PEAK, SCENARIOS, SCENARIOS_HIDDEN, STUCK,
-                                build_model, loss_fn, planner_tensors)
+from grader.rank.week09 import (BUBBLE, BYTES, GRADS, NONE_ELSEWHERE, ONCE, ORDER, OTHER, PEAK, RUN_ORDER,
+                                SCENARIOS, SCENARIOS_HIDDEN, STUCK, build_model, encode_actions, loss_fn,
+                                planner_tensors)
 
 MODULE = "pipeline_lab"
 
 
 # -- task 1: schedules -------------------------------------------------------------
 def _expected_schedule(kind, p, m):
+    ref = (schedules.gpipe if kind == "gpipe" else schedules.one_f_one_b)(p, m)
     return {STUCK: torch.tensor([-1, -1]), ONCE: torch.tensor(1),
             BUBBLE: torch.tensor(pl.bubble_formula(p, m), dtype=torch.float64),
-            PEAK: torch.tensor([m if kind == "gpipe" else min(p - s, m) for s in range(p)])}
+            PEAK: torch.tensor([m if kind == "gpipe" else min(p - s, m) for s in range(p)]),
+            ORDER: torch.stack([encode_actions(row, 2 * m) for row in ref])}
 
 
 def _schedule_ref(cfg, inputs):
@@ -48,6 +51,12 @@ def _schedule_hints(schedules):
                              f"(p-1)/(m+p-1) = {pl.bubble_formula(p, m):.4f}: a stage idles where it should work.")
         h[key + PEAK] = ("Activations stored per stage: GPipe keeps all m; 1F1B runs p-s-1 warm-up "
                                      "forwards on stage s, so at most min(p-s, m) are in flight.")
+        h[key + ORDER] = ("[stage, position, 0] is the kind (0 = F, 1 = B), [stage, position, 1] the micro-batch. "
+                          + ("GPipe: every stage runs F(0), ..., F(m-1), then B(0), ..., B(m-1), in micro-batch order."
+                             if kind == "gpipe" else
+                             "1F1B: stage s runs min(p-s-1, m) warm-up forwards F(0), F(1), ..., then alternates one "
+                             "forward and one backward (F(i), then B(i - warm-up)), then drains the remaining "
+                             "backwards; forwards and backwards each in micro-batch order."))
     return h
 
 
@@ -90,6 +99,9 @@ def _expect_pipe(cfg, ref, r, t):
     out[BYTES] = torch.tensor(float((r < t - 1) * m * a + (r > 0) * m * a), dtype=torch.float64)
     out[OTHER] = torch.tensor(0.0, dtype=torch.float64)
     out[GRADS] = torch.cat([ref[f"grad {n}"].flatten() for n in pl.stage_param_names(model, t, r)])
+    out[RUN_ORDER] = encode_actions(schedules.one_f_one_b(t, m)[r], 2 * m)
+    if r < t - 1:
+        out[NONE_ELSEWHERE] = torch.tensor([1])
     return out
 
 
@@ -103,6 +115,12 @@ def _pipe_hints(cfg):
         GRADS: ("Every parameter of the stage, in named_parameters() order, must hold the dense model's grad "
                 "(missing: some .grad is None). A stage needs dL/d(output) from the next stage for every micro-batch "
                 "(recv, then output.backward(grad)) and must send dL/d(input) back."),
+        RUN_ORDER: ("The order the stage really ran (F(k): its k-th forward returned; B(k): the gradient reached that "
+                    "forward's output) must be one_f_one_b(p, n_micro)[rank]: min(p-s-1, m) warm-up forwards, then "
+                    "one forward and one backward in turn, then the remaining backwards. All forwards before any "
+                    "backward is GPipe's order: the same numbers, but every stage holds all m activations instead "
+                    "of min(p-s, m)."),
+        NONE_ELSEWHERE: "run_pipeline returns the mean loss on the last stage and None on every other stage.",
     }
 
 
@@ -127,8 +145,11 @@ def _planner_hints(scenarios):
                 "(L/pp) min(pp, m) s b h 34/tp with m = global_batch/(dp b).")
             h[f"{key} step_time s (tp={tp},pp={pp},dp={dp})"] = (
                 "(m + pp - 1)(t_compute + t_tp + t_pp) + t_dp with the lecture's four terms.")
-        h[f"{key} plan (tp, pp, dp); 0 = None"] = ("(tp, pp, dp) of the fastest layout that fits in memory; (0, 0, 0) means "
-                                    "plan() returned None because nothing fits.")
+        h[f"{key} plan (tp, pp, dp); 0 = None"] = (
+            "(tp, pp, dp) of the fastest layout that fits in memory, among those with tp dividing gpus_per_node and "
+            "n_heads, pp dividing n_layers, tp*pp*dp = all GPUs and dp*micro_batch dividing global_batch; on equal "
+            "times the smaller tp, then the smaller pp; (0, 0, 0) means plan() returned None because nothing fits.")
+        h[f"{key} plan m (micro-batches per pipeline)"] = "Plan.micro_batches is m = global_batch / (dp * micro_batch)."
         h[f"{key} plan fits in gpu_mem (1 = yes)"] = "The plan's memory total must not exceed cluster.gpu_mem: reject layouts that do not fit."
         h[f"{key} plan keeps TP inside a node (1 = yes)"] = (
             "TP must stay inside a node (tp divides gpus_per_node): its collectives sit on the critical path of "

@@ -4,7 +4,7 @@ case's group, check that every linear got sharded, run forward + backward (loss 
 model, after the student's pad_for_sp in the padding cases) with the DTensor collectives on the ledger,
 and return this rank's output, loss or logits slice and every parameter's local grad. For fsdp_tp: a
 (dp, tp) mesh, the TP plan then the student's apply_fsdp, a few SGD steps, and the losses and a few final
-full weights."""
+full weights, and how many fully_shard units sit on the decoder layers, on the root and elsewhere."""
 from __future__ import annotations
 
 import os
@@ -30,6 +30,10 @@ def _warm_imports():
 if os.environ.get("COURSE_JOB_ID"):   # not in the trusted process, which imports CHECKED_PARAMS from here
     _warm_imports()
 
+FSDP_LAYERS = "decoder layers wrapped by fully_shard"
+FSDP_ROOT = "root model wrapped by fully_shard (1 = yes)"
+FSDP_OTHER = "other modules wrapped by fully_shard"
+PADDED_IDS, PADDED_LABELS = "pad_for_sp ids", "pad_for_sp labels"
 CHECKED_PARAMS = ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
                   "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight")
 KWARGS_HINT = ("DecoderLayer calls `self.self_attn(hidden_states=..., position_ids=...)` with keyword arguments, "
@@ -98,22 +102,24 @@ def run_plan(mod, cfg, inp, ctx):
     try:
         with see_dtensor_collectives(ctx.ledger):
             if block:
-                x = ctx.shard(inp["x"], 1).requires_grad_(True)             # (B, T/t, C): SP input
+                x = ctx.hand("x", ctx.shard(inp["x"], 1)).requires_grad_(True)   # (B, T/t, C): SP input
                 ctx.phase("forward")
                 y = model(x)
                 y = y.to_local() if isinstance(y, DTensor) else y           # (B, T/t, C)
                 ctx.phase("backward")
-                y.backward(ctx.shard(inp["dy"], 1))
+                y.backward(ctx.hand("dy", ctx.shard(inp["dy"], 1)))
                 out = {"y": y, "dx": x.grad}
             else:
-                ids, labels = inp["input_ids"], inp["labels"]
+                ids, labels = ctx.hand("input_ids", inp["input_ids"]), ctx.hand("labels", inp["labels"])
                 T = ids.shape[1]
                 if cfg["kind"] == "padding":
                     ids, labels = mod.pad_for_sp(ids, labels, ctx.world_size)
-                    if ids.shape[1] % ctx.world_size or labels.shape != ids.shape or ids.shape[1] < T:
-                        raise ValueError(f"pad_for_sp returned ids {tuple(ids.shape)} and labels "
-                                         f"{tuple(labels.shape)} for T={T}, t={ctx.world_size}: both must be "
-                                         f"(B, T') with T' >= T and T' % t == 0, or DTensor SP aborts on gloo.")
+                    if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor)) or \
+                            ids.shape[1] % ctx.world_size or labels.shape != ids.shape or ids.shape[1] < T:
+                        raise ValueError(f"pad_for_sp returned ids {tuple(getattr(ids, 'shape', ()))} and labels "
+                                         f"{tuple(getattr(labels, 'shape', ()))} for T={T}, t={ctx.world_size}: both "
+                                         f"must be (B, T') with T' >= T and T' % t == 0, or DTensor SP aborts on gloo.")
+                    out[PADDED_IDS], out[PADDED_LABELS] = ids.detach().clone(), labels.detach().clone()
                 ctx.phase("forward")
                 logits = model(ids)
                 with loss_parallel():
@@ -149,6 +155,10 @@ def run_fsdp_tp(mod, cfg, inp, ctx):
         _require_sharded(model)
         mod.apply_fsdp(model, mesh["dp"])
     _record(ctx, model)
+    from torch.distributed.fsdp import FSDPModule
+    on_layers = sum(isinstance(layer, FSDPModule) for layer in model.model.layers)
+    on_root = int(isinstance(model, FSDPModule))
+    elsewhere = sum(isinstance(m, FSDPModule) for m in model.modules()) - on_layers - on_root
     d = mesh["dp"].get_local_rank()
     ids, labels = inp["input_ids"].chunk(dp)[d], inp["labels"].chunk(dp)[d]     # this dp rank's micro-batch
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
@@ -168,7 +178,8 @@ def run_fsdp_tp(mod, cfg, inp, ctx):
             dist.all_reduce(local, group=mesh["dp"].get_group())                # mean over the dp micro-batches
             losses.append(local / dp)
     ctx.phase("gather")
-    out = {"losses": torch.stack(losses)}
+    out = {"losses": torch.stack(losses), FSDP_LAYERS: torch.tensor([on_layers]), FSDP_ROOT: torch.tensor([on_root]),
+           FSDP_OTHER: torch.tensor([elsewhere])}
     with quiet_redistribute_warnings():             # a few final weights: step 2's gradients, each kind of style
         for n, p in model.named_parameters():
             if n in CHECKED_PARAMS:

@@ -1,9 +1,12 @@
 """Week 9 on a rank: execute the student's gpipe / one_f_one_b schedules with tpkit.pipeline.simulate and
 return what the simulation saw (where it got stuck, whether every action ran once, the bubble, the peak
-activations in flight); or run stage `rank` of the course model through the student's run_pipeline and
-return the loss (last stage), the bytes this stage sent, any collective other than send/recv and the
-stage's weight grads; or call the student's memory_per_gpu / step_time / plan on the planner scenarios.
-The tensor names, the model, the loss and the scenarios live here, and the trusted side imports them."""
+activations in flight) and the actions themselves (their order is the schedule); or run stage `rank` of the
+course model through the student's run_pipeline and return the loss (last stage), what the other stages
+returned, the bytes this stage sent, any collective other than send/recv, the stage's weight grads and the
+order in which the stage really ran its forwards and backwards (hooks on the stage: F(k) when its k-th
+forward returns, B(k) when the gradient reaches the output of that forward); or call the student's
+memory_per_gpu / step_time / plan on the planner scenarios. The tensor names, the model, the loss, the
+action encoding and the scenarios live here, and the trusted side imports them."""
 from __future__ import annotations
 
 import math
@@ -22,6 +25,19 @@ PEAK = "peak activations in flight per stage"
 BYTES = "bytes sent by this stage"
 OTHER = "collectives other than send/recv"
 GRADS = "weight grads of this stage (flattened)"
+ORDER = "actions per stage as (0 = F / 1 = B, micro-batch); -1 = none"
+RUN_ORDER = "order this stage ran its forwards and backwards: (0 = F / 1 = B, micro-batch); -1 = none"
+NONE_ELSEWHERE = "returns None on a stage other than the last (1 = yes)"
+
+
+def encode_actions(actions, length: int) -> torch.Tensor:
+    """[(kind, mb), ...] -> a (max(length, n), 2) int tensor of (0 = F / 1 = B, mb), padded with -1: a missing
+    action shows where it is missing, an extra one as a longer tensor."""
+    rows = [(0 if a[0] == "F" else 1 if a[0] == "B" else -2, int(a[1])) for a in actions]
+    out = torch.full((max(length, len(rows)), 2), -1, dtype=torch.int64)
+    if rows:
+        out[:len(rows)] = torch.tensor(rows, dtype=torch.int64)
+    return out
 
 
 # -- task 1: schedules -------------------------------------------------------------
@@ -39,6 +55,7 @@ def run_schedule(mod, cfg, inp, ctx):
                                                    for q in tl.problems)))
         out[key + BUBBLE] = torch.tensor(tl.bubble_fraction if not tl.stuck else math.nan, dtype=torch.float64)
         out[key + PEAK] = torch.tensor(tl.peak_in_flight)
+        out[key + ORDER] = torch.stack([encode_actions(list(row)[:2 * m], 2 * m) for row in sched])
     return out
 
 
@@ -54,11 +71,24 @@ def loss_fn(logits, target):
 def run_pipeline(mod, cfg, inp, ctx):
     s, p, m = ctx.rank, ctx.world_size, cfg["micro_batches"]
     stage = pl.split_stage(build_model(cfg, inp["weight_seed"]), p, s)
-    mbs = list(inp["ids"].chunk(m)) if s == 0 else None                 # m x (b, T)
-    tgts = list(inp["targets"].chunk(m)) if s == p - 1 else None
+    mbs = [ctx.hand(f"micro_batches[{i}]", c) for i, c in enumerate(inp["ids"].chunk(m))] if s == 0 else None
+    tgts = [ctx.hand(f"targets[{i}]", c) for i, c in enumerate(inp["targets"].chunk(m))] if s == p - 1 else None
     act_shape = (cfg["batch"] // m, cfg["seq"], cfg["model"]["hidden_size"])
+    # the order as run: F(k) when the stage's k-th forward returns, B(k) when the gradient reaches its output
+    ran, n_fwd = [], [0]
+
+    def seen_forward(module, args, output):
+        k = n_fwd[0]
+        n_fwd[0] += 1
+        ran.append(("F", k))
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad, k=k: ran.append(("B", k)))
+    hook = stage.register_forward_hook(seen_forward)
     ctx.phase("step")
-    loss = mod.run_pipeline(stage, mbs, tgts, m, act_shape, loss_fn, group=ctx.group)
+    try:
+        loss = mod.run_pipeline(stage, mbs, tgts, m, act_shape, loss_fn, group=ctx.group)
+    finally:
+        hook.remove()
     # Stages legitimately issue different P2P sequences (stage 0 only sends activations, the last stage
     # only sends grads): summarise the ledger here so the collective-desync report does not misfire.
     entries = list(ctx.ledger.entries)
@@ -67,6 +97,9 @@ def run_pipeline(mod, cfg, inp, ctx):
     out = {}
     if s == p - 1:
         out["loss"] = loss.reshape(()) if isinstance(loss, torch.Tensor) else None
+    else:
+        out[NONE_ELSEWHERE] = torch.tensor([int(loss is None)])
+    out[RUN_ORDER] = encode_actions(ran, 2 * m)
     out[BYTES] = torch.tensor(sum(e["sent"] for e in entries), dtype=torch.float64)
     out[OTHER] = torch.tensor(float(sum(e["op"] not in ("send", "recv") for e in entries)), dtype=torch.float64)
     out[GRADS] = None if any(g is None for g in grads) else torch.cat([g.flatten() for g in grads])
@@ -83,6 +116,21 @@ SCENARIOS = {
     "70b_16x8": (topo.LLAMA_70B, topo.H100_16x8, [(8, 2, 8), (2, 8, 8)]),
     "1b_2x8": (topo.ModelSpec("1.3B", 1.3e9, 24, 2048, 16, 2048, global_batch=256), topo.ClusterSpec(n_nodes=2),
                [(1, 1, 16), (2, 4, 2)]),
+    # one scenario per rule of the search that the ones above never exercise (a planner breaking it answers
+    # differently here): tp must divide n_heads (tp=8 would be faster; 12 heads) ...
+    "12_heads": (topo.ModelSpec("13B, 12 heads", 13e9, 30, 4096, 12, 2048, global_batch=48),
+                 topo.ClusterSpec(n_nodes=4), [(4, 2, 4)]),
+    # ... pp must divide L (pp=4 would be faster; 30 layers) ...
+    "30_layers": (topo.ModelSpec("7B, 30 layers", 7e9, 30, 4096, 32, 2048, global_batch=48),
+                  topo.ClusterSpec(n_nodes=1), [(2, 2, 2)]),
+    # ... dp * b must divide the global batch (dp=8 with b=2 would be faster; 40 sequences), and m = 40/(dp b) ...
+    "batch_40": (topo.ModelSpec("7B, batch 40", 7e9, 32, 4096, 32, 2048, global_batch=40, micro_batch=2),
+                 topo.ClusterSpec(n_nodes=2), [(4, 1, 4)]),
+    # ... and ties: with infinite FLOP/s and bandwidth every layout takes 0 s, so the rule "on equal times the
+    # smaller tp, then the smaller pp" alone decides: (1, 1, 8)
+    "ideal_cluster": (topo.ModelSpec("1B", 1e9, 8, 1024, 8, 1024, global_batch=64),
+                      topo.ClusterSpec(n_nodes=1, peak_flops=math.inf, bw_intra=math.inf, bw_inter=math.inf),
+                      [(2, 2, 2)]),
 }
 SCENARIOS_HIDDEN = {
     "13b_4x8": (topo.ModelSpec("13B", 13e9, 40, 5120, 40, 4096, global_batch=512), topo.ClusterSpec(n_nodes=4),
@@ -101,6 +149,7 @@ def _plan_tensors(pln, model, cluster):
         return {"plan keeps TP inside a node (1 = yes)": torch.tensor(1.0, dtype=torch.float64),
                 "plan fits in gpu_mem (1 = yes)": torch.tensor(1.0, dtype=torch.float64),
                 "plan (tp, pp, dp); 0 = None": torch.tensor([0, 0, 0]),
+                "plan m (micro-batches per pipeline)": torch.tensor([0]),
                 "plan memory GB": torch.zeros(4, dtype=torch.float64),
                 "plan step time s": torch.tensor(0.0, dtype=torch.float64)}
     tp, pp, dp = int(pln.tp), int(pln.pp), int(pln.dp)
@@ -109,6 +158,7 @@ def _plan_tensors(pln, model, cluster):
     return {"plan keeps TP inside a node (1 = yes)": torch.tensor(float(inside), dtype=torch.float64),
             "plan fits in gpu_mem (1 = yes)": torch.tensor(float(sum(mem) * GB <= cluster.gpu_mem), dtype=torch.float64),
             "plan (tp, pp, dp); 0 = None": torch.tensor([tp, pp, dp]),
+            "plan m (micro-batches per pipeline)": torch.tensor([int(pln.micro_batches)]),
             "plan memory GB": torch.tensor(mem, dtype=torch.float64),
             "plan step time s": torch.tensor(float(pln.time["step"]) if isinstance(pln.time, dict) else math.nan,
                                              dtype=torch.float64)}
