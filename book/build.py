@@ -4,7 +4,7 @@
    `labs/week*/*.ipynb`, the guides `docs/student.md`, `docs/instructor.md`, and the bibliography `docs/sources.md`.
 2. Stage them under build/book-src/ with the repository's relative layout, so the links the
    notebooks already use (`../labs/week02/tp_linear.ipynb`, `week01_x.ipynb#a-section`) resolve as
-   they do on GitHub; a linked repository file that is not a page (`../grader/ledger.py`, a figure)
+   they do on GitHub; a linked repository file that is not a page (`../tpkit/ledger.py`, a figure)
    is staged too and becomes a download link.
 3. Write a page per week and _toc.yml from what was found, and a syllabus table into the intro.
 4. Run jupyter-book (<2; nothing executes: `execute_notebooks: off`) inside a network namespace

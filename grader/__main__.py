@@ -1,4 +1,5 @@
-"""python -m grader {check NOTEBOOK | demo | release [WEEK..] | execute-lectures [NB..] | autograde WEEK | bench}"""
+"""python -m grader {check NOTEBOOK | demo | release [WEEK..] | execute-lectures [NB..] | autograde WEEK |
+merge-gradebooks DB SLICE.db.. | bench}"""
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,24 @@ def cmd_execute(a) -> int:
 
 def cmd_autograde(a) -> int:
     import time
-    from grader.class_autograde import autograde_class, summary
+    from grader.class_autograde import autograde_class, slice_of, students_with_submissions, summary
+    course = os.path.abspath(a.course)
+    students = students_with_submissions(course, a.week)
+    if a.slice:
+        students = slice_of(students, a.slice)
+        if not students:
+            print(f"slice {a.slice}: no submissions to grade")
+            return 0
     t0 = time.monotonic()
-    secs = autograde_class(os.path.abspath(a.course), a.week, jobs=a.jobs)
+    secs = autograde_class(course, a.week, jobs=a.jobs, students=students or None, db=a.db)
     print(summary(secs, time.monotonic() - t0))
+    return 0
+
+
+def cmd_merge(a) -> int:
+    from grader.gradebooks import merge
+    n = merge(a.target, a.slices)
+    print(f"merged {n} submissions from {len(a.slices)} gradebooks into {a.target}")
     return 0
 
 
@@ -68,7 +83,14 @@ def main(argv=None) -> int:
     g.add_argument("week")
     g.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     g.add_argument("--course", default=".", help="the nbgrader course folder (default: here)")
+    g.add_argument("--slice", default=None, help="K/N: grade only the K-th of N slices of the students")
+    g.add_argument("--db", default=None, help="grade into this gradebook file (one per slice) instead of the "
+                                             "course's gradebook.db")
     g.set_defaults(fn=cmd_autograde)
+    m = sub.add_parser("merge-gradebooks", help="copy the submissions of slice gradebooks into the course's")
+    m.add_argument("target", help="the course's gradebook.db")
+    m.add_argument("slices", nargs="+", help="the slices' gradebook files")
+    m.set_defaults(fn=cmd_merge)
     b = sub.add_parser("bench", help="cold check, warm check and class-scale autograde timings")
     b.add_argument("--n", type=int, default=20, help="submissions to autograde (0: skip)")
     b.add_argument("--jobs", type=int, default=2)

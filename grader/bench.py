@@ -1,15 +1,23 @@
-"""`python -m grader bench`: the grader's speed, measured on this machine.
+"""`python -m grader bench`: the grader's speed, measured on this machine, in one run.
 
-- cold check: one Week 2 check on 4 ranks started with torchrun (a fresh interpreter per rank);
-- fork check: the same with the fork launcher (torch imported once per job, ranks forked), as grading runs;
-- warm check: the same with the warm launcher (a resident process forks each job), as a notebook runs;
-- class-scale autograde: N submissions (solutions, stubs and broken ones), graded in parallel.
+- a bare `import torch` in a fresh interpreter: the unit the other figures are compared with;
+- one Week 2 check on 4 ranks three ways: cold (torchrun: a fresh interpreter per rank), fork (as
+  grading runs: torch imported once per job, ranks forked, sandboxed) and warm (as a notebook's `check()`
+  runs: a resident process forks each job);
+- a correct and a deadlocking Week 2 submission through the trusted checks (the deadlock's own seconds);
+- `python -m grader check` on every lab's solution (notebook run + trusted checks), as a student runs it;
+- class-scale autograde: N submissions of the `make demo` mix (solutions, stubs, broken, a deadlock),
+  `jobs` at a time, through nbgrader with the trusted checks.
 """
 from __future__ import annotations
 
+import glob
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 
 from grader.job import run_checks
@@ -17,56 +25,104 @@ from grader.job import run_checks
 CHECK = ["week02/column_parallel"]
 
 
-def _sources() -> dict[str, str]:
+def _sources(kind: str = "solution") -> dict[str, str]:
+    from grader.demo import submission
     from grader.notebook import module_sources
-    from tests.corpus import build
-    return module_sources(build("week02", {"base": "solution"}))
+    return module_sources(submission(kind))
 
 
-def time_check(launcher: str, repeats: int) -> list[float]:
+def _runs(xs: list[float], fmt: str = "{:.1f}") -> str:
+    return f"median {fmt.format(statistics.median(xs))} s (runs: " + ", ".join(fmt.format(x) for x in xs) + ")"
+
+
+def time_import_torch(repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        out.append(time.monotonic() - t0)
+    return out
+
+
+def time_check(launcher: str, repeats: int, sandbox: str = "off") -> list[float]:
     src = _sources()
     out = []
     for _ in range(repeats):
         t0 = time.monotonic()
-        rep = run_checks(CHECK, src, launcher=launcher, sandbox="off", interactive=launcher == "warm")
+        rep = run_checks(CHECK, src, launcher=launcher, sandbox=sandbox, interactive=launcher == "warm")
         out.append(time.monotonic() - t0)
         assert rep.passed, rep.cases[CHECK[0]].message()
     return out
 
 
+def time_submission(kind: str, repeats: int) -> list[float]:
+    """The whole trusted grading of one Week 2 submission (every grade cell's checks, sandboxed)."""
+    from grader.demo import submission
+    from grader.notebook import run_trusted
+    out = []
+    for _ in range(repeats):
+        nb = submission(kind)
+        t0 = time.monotonic()
+        _, report = run_trusted(nb)
+        out.append(time.monotonic() - t0)
+        assert not isinstance(report, Exception), report
+    return out
+
+
+def time_cli(path: str) -> tuple[float, str]:
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "grader", "check", path], capture_output=True, text=True)
+    score = (p.stdout.strip().splitlines() or ["?"])[-1]
+    return time.monotonic() - t0, score
+
+
 def class_autograde(n: int, jobs: int) -> str:
-    from grader.demo import CLASS, submission
-    from grader.nbgrader_tools import nbgrader, scratch_course
     from grader.class_autograde import autograde_class, summary
-    import json
-    course = scratch_course(["week02"])
+    from grader.demo import CLASS, WEEK, submission
+    from grader.nbgrader_tools import scratch_course
+    from grader.class_autograde import course_api
+    course = scratch_course([WEEK])
     try:
-        nbgrader(["generate_assignment", "week02", "--force"], course)
+        result = course_api(course).generate_assignment(WEEK, force=True)
+        assert result["success"], result.get("error")
         kinds = [k for _, k in CLASS]
         for i in range(n):
-            d = os.path.join(course, "submitted", f"s{i:03d}", "week02")
+            d = os.path.join(course, "submitted", f"s{i:03d}", WEEK)
             os.makedirs(d)
             with open(os.path.join(d, "tp_linear.ipynb"), "w") as f:
                 json.dump(submission(kinds[i % len(kinds)]), f)
         t0 = time.monotonic()
-        secs = autograde_class(course, "week02", jobs=jobs)
-        return summary(secs, time.monotonic() - t0) + f" ({jobs} at a time, {os.cpu_count()} cores)"
+        secs = autograde_class(course, WEEK, jobs=jobs, out=open(os.devnull, "w"))
+        wall = time.monotonic() - t0
+        dead = [secs[f"s{i:03d}"] for i in range(n) if kinds[i % len(kinds)] == "deadlock_skip"]
+        return (summary(secs, wall) + f" ({jobs} at a time, {os.cpu_count()} cores; the demo mix of "
+                f"{len(set(kinds))} kinds; deadlocking ones: " + ", ".join(f"{d:.1f} s" for d in dead) + ")")
     finally:
         shutil.rmtree(course, ignore_errors=True)
 
 
 def main(n: int = 20, jobs: int = 2, repeats: int = 3) -> int:
-    print("grader benchmark (CPU/gloo, this machine)", flush=True)
-    cold = time_check("torchrun", repeats)
-    print(f"cold check, torchrun, 4 ranks: median {statistics.median(cold):.1f} s  (runs: "
-          + ", ".join(f"{s:.1f}" for s in cold) + ")", flush=True)
-    fork = time_check("fork", repeats)
-    print(f"fork check, fork launcher, 4 ranks: median {statistics.median(fork):.1f} s  (runs: "
-          + ", ".join(f"{s:.1f}" for s in fork) + ")", flush=True)
+    from grader.nbgrader_tools import ROOT
+    print(f"grader benchmark (CPU/gloo, this machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})",
+          flush=True)
+    torch_s = time_import_torch(repeats)
+    print(f"bare `import torch`: {_runs(torch_s, '{:.2f}')}", flush=True)
+    print(f"one check, 4 ranks, cold (torchrun): {_runs(time_check('torchrun', repeats))}", flush=True)
+    print(f"one check, 4 ranks, fork launcher, sandboxed (as grading): "
+          f"{_runs(time_check('fork', repeats, sandbox='auto'))}", flush=True)
     first, *warm = time_check("warm", repeats + 1)
-    print(f"warm check, warm launcher, 4 ranks: median {statistics.median(warm):.2f} s  (runs: "
-          + ", ".join(f"{s:.2f}" for s in warm) + f"; the first call, which starts it: {first:.1f} s)", flush=True)
+    print(f"one check, 4 ranks, warm launcher (as check() in a notebook): {_runs(warm, '{:.2f}')}; "
+          f"the first call, which starts it: {first:.1f} s", flush=True)
+    ok = time_submission("solution", repeats)
+    dead = time_submission("deadlock_skip", repeats)
+    print(f"trusted grading of a Week 2 submission: correct {_runs(ok)}; deadlocking {_runs(dead)}; "
+          f"the deadlock costs {statistics.median(dead) - statistics.median(ok):+.1f} s", flush=True)
+    base = statistics.median(torch_s)
+    for path in sorted(glob.glob(os.path.join(ROOT, "solutions", "week*", "*.ipynb"))):
+        secs, score = time_cli(path)
+        print(f"python -m grader check {os.path.relpath(path, ROOT)}: {secs:.1f} s = {secs / base:.1f}x "
+              f"`import torch` ({score})", flush=True)
     if n:
-        print(f"autograde of {n} Week 2 submissions ...", flush=True)
+        print(f"class autograde of {n} Week 2 submissions ...", flush=True)
         print(class_autograde(n, jobs), flush=True)
     return 0

@@ -26,24 +26,36 @@ def students_with_submissions(course: str, week: str) -> list[str]:
     return sorted(s for s in os.listdir(d) if os.path.isdir(os.path.join(d, s, week)))
 
 
-def course_api(course: str):
-    """nbgrader's API on `course`, configured by the course's nbgrader_config.py."""
+def course_api(course: str, db: str | None = None):
+    """nbgrader's API on `course`, configured by the course's nbgrader_config.py (gradebook `db` if given)."""
     from nbgrader.apps.api import NbGraderAPI
     from nbgrader.coursedir import CourseDirectory
     from traitlets.config.loader import PyFileConfigLoader
     config = PyFileConfigLoader(CONFIG, path=course).load_config()
     config.CourseDirectory.root = course
+    if db:
+        config.CourseDirectory.db_url = f"sqlite:///{os.path.abspath(db)}"
     return NbGraderAPI(coursedir=CourseDirectory(config=config), config=config)
 
 
-def add_students(course: str, students: list[str]):
-    from nbgrader.api import Gradebook
-    with Gradebook(f"sqlite:///{os.path.join(course, 'gradebook.db')}") as gb:
+def add_students(db: str, students: list[str]):
+    from grader.gradebooks import gradebook
+    with gradebook(db) as gb:
         for s in students:
             gb.update_or_create_student(s)
 
 
-def _grade_in_child(course: str, week: str, student: str, report: str):
+def slice_of(students: list[str], spec: str) -> list[str]:
+    """'K/N': the K-th of N interleaved slices (K = 0..N-1) of the sorted students."""
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+        assert 0 <= k < n
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--slice {spec!r}: give K/N with 0 <= K < N, e.g. --slice 0/4") from None
+    return sorted(students)[k::n]
+
+
+def _grade_in_child(course: str, week: str, student: str, report: str, db: str | None):
     """In a forked worker: autograde one submission; write nbgrader's result, then leave."""
     code = 1
     try:
@@ -52,7 +64,7 @@ def _grade_in_child(course: str, week: str, student: str, report: str):
         log = os.open(report[:-len(".json")] + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        result = course_api(course).autograde(week, student, force=True, create=True)
+        result = course_api(course, db).autograde(week, student, force=True, create=True)
         with open(report, "w") as f:
             json.dump({k: str(v) if k != "success" else bool(v) for k, v in result.items()}, f)
         code = 0 if result.get("success") else 1
@@ -70,8 +82,10 @@ def _warm():
 
 
 def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] | None = None,
-                    out=sys.stdout) -> dict[str, float]:
-    """Autograde every submission of `week`; returns {student: seconds}. Raises if one cannot be graded."""
+                    out=sys.stdout, db: str | None = None) -> dict[str, float]:
+    """Autograde every submission of `week` (or `students`); returns {student: seconds}. Raises if one cannot
+    be graded. `db`: grade into this gradebook (made from the course's, without its submissions, if new)
+    instead of the course's gradebook.db: one slice of a class graded apart (`grader.gradebooks`)."""
     students = students or students_with_submissions(course, week)
     if not students:
         raise SystemExit(f"no submissions of {week} under {os.path.join(course, 'submitted')}/<student>/{week}/")
@@ -80,7 +94,10 @@ def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] |
     _warm()
     # nbgrader shells out to alembic for the gradebook: this interpreter's bin must be on PATH
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    add_students(course, students)
+    if db and not os.path.exists(db):
+        from grader.gradebooks import new_slice
+        new_slice(os.path.join(course, "gradebook.db"), db)
+    add_students(db or os.path.join(course, "gradebook.db"), students)
     reports = tempfile.mkdtemp(prefix="grader-class-")
     seconds: dict[str, float] = {}
     t0 = time.monotonic()
@@ -94,7 +111,7 @@ def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] |
                 student = queue.pop(0)
                 pid = os.fork()
                 if pid == 0:
-                    _grade_in_child(course, week, student, os.path.join(reports, f"{student}.json"))
+                    _grade_in_child(course, week, student, os.path.join(reports, f"{student}.json"), db)
                 running[pid] = (student, time.monotonic())
             pid, status = os.wait()
             if pid not in running:

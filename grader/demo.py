@@ -12,10 +12,10 @@ import shutil
 import sys
 import time
 
-from nbgrader.api import Gradebook
 from nbgrader.plugins.export import CsvExportPlugin
 
 from grader.class_autograde import course_api
+from grader.gradebooks import gradebook
 from grader.nbgrader_tools import autograde, scratch_course
 from tests.corpus import build, load_manifest
 
@@ -57,7 +57,7 @@ def main(keep: str | None = None) -> int:
         print(f"{r['student']:<8} {kinds[r['student']]:<20} " +
               " ".join(f"{r['cells'][c]:>13g}" for c in cells) + f" {r['score']:>4g}/{r['max_score']:g}")
     out = os.path.join(course, "grades.csv")
-    with Gradebook(f"sqlite:///{os.path.join(course, 'gradebook.db')}") as gb:
+    with gradebook(os.path.join(course, "gradebook.db")) as gb:
         CsvExportPlugin(to=out).export(gb)       # what `nbgrader export` does
     with open(out) as f:
         n = sum(1 for _ in csv.reader(f)) - 1

@@ -67,8 +67,8 @@ def release(week_list: list[str] | None = None, dest: str | None = None) -> list
 
 
 def gradebook_rows(course: str, week: str) -> list[dict]:
-    from nbgrader.api import Gradebook
-    with Gradebook(f"sqlite:///{os.path.join(course, 'gradebook.db')}") as gb:
+    from grader.gradebooks import gradebook
+    with gradebook(os.path.join(course, "gradebook.db")) as gb:
         rows = []
         for sub in gb.assignment_submissions(week):
             rows.append({"student": sub.student_id, "score": sub.score, "max_score": sub.max_score,

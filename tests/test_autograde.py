@@ -51,3 +51,30 @@ def test_autograde(course, week):
     for path in glob.glob(os.path.join(course, "autograded", "*", week, "*.ipynb")):
         assert SECRET not in open(path).read(), f"{path} holds the instructor's private file"
     os.unlink(planted)
+
+
+def test_a_class_graded_in_slices_merges_into_one_gradebook(course):
+    """Two slices graded into their own gradebooks (as two SLURM array tasks would), then merged with
+    nbgrader's API into the course's gradebook: every grade lands once, nothing is lost."""
+    import json
+    from grader.class_autograde import autograde_class, slice_of
+    from grader.gradebooks import merge
+    from grader.nbgrader_tools import gradebook_rows
+    nbgrader(["generate_assignment", "week02", "--force"], course)
+    subs = {"s0": build("week02", {"base": "solution"}), "s1": build("week02", {}),
+            "s2": build("week02", {"base": "solution"})}
+    for student, nb in subs.items():
+        d = os.path.join(course, "submitted", student, "week02")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "tp_linear.ipynb"), "w") as f:
+            json.dump(nb, f)
+    slices = [os.path.join(course, f"gradebook-{k}.db") for k in range(2)]
+    for k, db in enumerate(slices):
+        autograde_class(course, "week02", jobs=2, students=slice_of(list(subs), f"{k}/2"), db=db,
+                        out=open(os.devnull, "w"))
+    assert merge(os.path.join(course, "gradebook.db"), slices) == 3
+    rows = {r["student"]: r for r in gradebook_rows(course, "week02")}
+    assert rows["s0"]["score"] == rows["s2"]["score"] == rows["s0"]["max_score"] > 0
+    assert rows["s1"]["score"] == 0
+    with pytest.raises(ValueError, match="each student belongs to exactly one slice"):
+        merge(os.path.join(course, "gradebook.db"), slices + slices[:1])

@@ -1,4 +1,4 @@
-"""Unit tests of week 9's planner (grader/topology.py) and schedule simulator (grader/pipeline.py) formulas."""
+"""Unit tests of week 9's planner (reference/planner.py, tpkit/topology.py) and schedule simulator (tpkit/pipeline.py) formulas."""
 import math
 
 import pytest

@@ -46,15 +46,15 @@ def _numel(cfg) -> int:
 
 def _expect_rs(cfg, ref, r, t):
     full = ref["partial_sums"][t - 1].flatten()
-    return {"y": torch.tensor_split(full, t)[r].contiguous(), "x_unchanged": ref["x"][r]}
+    return {"y": torch.tensor_split(full, t)[r].contiguous()}
 
 
 def _expect_ag(cfg, ref, r, t):
-    return {"y": ref["x"][:t].flatten(0, 1).contiguous(), "x_unchanged": ref["x"][r]}
+    return {"y": ref["x"][:t].flatten(0, 1).contiguous()}
 
 
 def _expect_ar(cfg, ref, r, t):
-    return {"y": ref["partial_sums"][t - 1], "x_unchanged": ref["x"][r]}
+    return {"y": ref["partial_sums"][t - 1]}
 
 
 def _contract(factor_name):
@@ -82,7 +82,6 @@ HINTS = {
     "ring_all_reduce": _RING + "All-reduce = reduce-scatter then all-gather of the reduced chunks; if "
         "reduce-scatter and all-gather pass on their own, look at how the two phases are joined (padding, order).",
 }
-X_HINT = "Work on a copy: the function must return a new tensor and leave its input unchanged."
 
 # (name, function, shape, seed); hidden variants draw a fresh seed and use sizes not divisible by 2, 3 or 4
 _SPECS = [
@@ -103,4 +102,4 @@ for _name, _fn, _shape, _seed in _SPECS:
     register(Case(name=f"week01/{_name}", module=MODULE, world_sizes=(2, 3, 4), config={"shape": _shape, "fn": _fn},
                   make_inputs=_inputs, reference=_reference, run_rank="run_ring", expected=_exp,
                   contract=_contract(_kind), seed=_seed, hidden=_seed is None, title=_fn,
-                  hints={"y": HINTS[_fn], "x_unchanged": X_HINT}))
+                  hints={"y": HINTS[_fn]}))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from grader.case import Case, Contract, register
-from grader.rank.week04 import pad_shard, padded_rows, upstream
+from grader.rank.week04 import MAX_REDUCES, WEIGHT_SHARD, pad_shard, padded_rows, upstream
 
 MODULE = "vocab_parallel"
 
@@ -42,11 +42,12 @@ def _emb_reference(cfg, inp):
     w = inp["W"].clone().requires_grad_(True)
     y = F.embedding(inp["ids"], w)                          # (B, T, C)
     y.backward(inp["dy"])
-    return {"y": y.detach(), "dW": w.grad}
+    return {"y": y.detach(), "dW": w.grad, "W": inp["W"]}
 
 
 def _emb_expected(cfg, ref, r, t):
-    return {"y": ref["y"], "dW": pad_shard(ref["dW"], cfg["vocab"], r, t, 0)}
+    return {"y": ref["y"], "dW": pad_shard(ref["dW"], cfg["vocab"], r, t, 0),
+            WEIGHT_SHARD: pad_shard(ref["W"], cfg["vocab"], r, t, 0)}    # its rows of the table, zeros past V
 
 
 def _emb_contract(cfg, t):
@@ -77,7 +78,8 @@ def _ce_reference(cfg, inp):
 
 
 def _ce_expected(cfg, ref, r, t):
-    return {"loss": ref["loss"], "dlogits": pad_shard(ref["dlogits"], cfg["vocab"], r, t, -1)}
+    return {"loss": ref["loss"], "dlogits": pad_shard(ref["dlogits"], cfg["vocab"], r, t, -1),
+            MAX_REDUCES: torch.tensor([1])}
 
 
 def _ce_contract(cfg, t):
@@ -101,6 +103,10 @@ HINTS = {
             "averages -log p over the whole vocabulary (vocab_size), not over the local shard.",
     "dlogits": "Backward is (softmax - (1-eps) onehot - eps/V) * mask / #kept on your columns, zero on padded "
                "columns and on ignored tokens.",
+    WEIGHT_SHARD: "Rank r keeps rows vocab_range(V, r, t) of the dense weight in self.weight, and zeros in the rows "
+                  "past V (padding ids no one looks up).",
+    MAX_REDUCES: "Step 1 all-reduces the row max with op=dist.ReduceOp.MAX, once: a SUM of the local maxima is not "
+                 "the max (the shift no longer keeps exp(z - m) <= 1, and large logits underflow every exp to 0).",
 }
 
 

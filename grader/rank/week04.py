@@ -1,7 +1,10 @@
 """Week 4 on a rank: build the student's VocabParallelEmbedding from the dense table and look up the full
 (B, T) ids, or hand vocab_parallel_cross_entropy this rank's padded slice of the logits (padded columns
 filled with PAD_LOGIT, as a padded lm_head could produce); run backward and return the output (or loss)
-with this rank's weight (or logit) grad. The padding rule lives here, and the trusted side imports it."""
+with this rank's weight (or logit) grad, the embedding's weight shard itself (its rows past V must be
+zeros), and how many of the cross-entropy's forward all-reduces used ReduceOp.MAX (a dispatch mode reads
+each all-reduce's op). Every tensor handed to the student goes through ctx.hand. The padding rule lives
+here, and the trusted side imports it."""
 from __future__ import annotations
 
 import math
@@ -28,26 +31,60 @@ def upstream(cfg) -> float:
     return float(cfg["batch"] * cfg["seq"])
 
 
+WEIGHT_SHARD = "weight shard kept by this rank"
+MAX_REDUCES = "forward all-reduces with ReduceOp.MAX"
+
+
 def run_embedding(mod, cfg, inp, ctx):
     dense = torch.nn.Embedding(cfg["vocab"], cfg["hidden"])
     with torch.no_grad():
         dense.weight.copy_(inp["W"])
+    ctx.hand("embedding.weight", dense.weight)
     emb = mod.VocabParallelEmbedding.from_dense(dense, group=ctx.group)
     ctx.record_params(emb)
     ctx.phase("forward")
-    y = emb(inp["ids"].clone())
+    y = emb(ctx.hand("input_ids", inp["ids"].clone()))
     ctx.phase("backward")
-    y.backward(inp["dy"])
-    return {"y": y, "dW": emb.weight.grad}
+    y.backward(ctx.hand("dy", inp["dy"]))
+    w = getattr(emb, "weight", None)
+    return {"y": y, "dW": emb.weight.grad, WEIGHT_SHARD: w.detach() if isinstance(w, torch.Tensor) else None}
+
+
+def _max_reduces(ledger):
+    """A dispatch mode counting the forward all-reduces whose op is MAX (the ledger does not record the op).
+    Defined per call, so nothing at module level stands between the student and it."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+    want = int(dist.ReduceOp.MAX)
+
+    class ReduceOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.max = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if ledger.phase == "forward":
+                if func.namespace == "c10d" and func._opname in ("allreduce_", "allreduce_coalesced_"):
+                    for a in args:
+                        if isinstance(a, torch.ScriptObject) and "ReduceOp" in str(a._type()):
+                            self.max += int(a.op()) == want
+                elif func.namespace == "_c10d_functional" and func._opname in ("all_reduce", "all_reduce_coalesced"):
+                    self.max += any(isinstance(a, str) and a.lower() == "max" for a in args[1:2])
+            return func(*args, **(kwargs or {}))
+
+    return ReduceOps()
 
 
 def run_cross_entropy(mod, cfg, inp, ctx):
     r, t, V = ctx.rank, ctx.world_size, cfg["vocab"]
     local = pad_shard(inp["logits"], V, r, t, -1, value=PAD_LOGIT).requires_grad_(True)  # (B, T, ceil(V/t))
+    ops = _max_reduces(ctx.ledger)
     ctx.phase("forward")
-    loss = mod.vocab_parallel_cross_entropy(local, inp["targets"].clone(), group=ctx.group,
-                                            ignore_index=cfg["ignore_index"], label_smoothing=cfg["smoothing"],
-                                            vocab_size=V)
-    ctx.phase("backward")
-    loss.backward(torch.tensor(upstream(cfg)))
-    return {"loss": loss, "dlogits": local.grad}
+    with ops:
+        loss = mod.vocab_parallel_cross_entropy(ctx.hand("local_logits", local),
+                                                ctx.hand("targets", inp["targets"].clone()), group=ctx.group,
+                                                ignore_index=cfg["ignore_index"], label_smoothing=cfg["smoothing"],
+                                                vocab_size=V)
+        ctx.phase("backward")
+        loss.backward(torch.tensor(upstream(cfg)))
+    return {"loss": loss, "dlogits": local.grad, MAX_REDUCES: torch.tensor([ops.max])}
