@@ -31,6 +31,8 @@ def course_api(course: str, db: str | None = None):
     from nbgrader.apps.api import NbGraderAPI
     from nbgrader.coursedir import CourseDirectory
     from traitlets.config.loader import PyFileConfigLoader
+    from grader.gradebooks import alembic_on_path
+    alembic_on_path()
     config = PyFileConfigLoader(CONFIG, path=course).load_config()
     config.CourseDirectory.root = course
     if db:
@@ -92,8 +94,6 @@ def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] |
     if not os.path.exists(os.path.join(course, CONFIG)):
         raise SystemExit(f"{course} is not an nbgrader course of this repository: {CONFIG} is missing there")
     _warm()
-    # nbgrader shells out to alembic for the gradebook: this interpreter's bin must be on PATH
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     if db and not os.path.exists(db):
         from grader.gradebooks import new_slice
         new_slice(os.path.join(course, "gradebook.db"), db)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 
 from nbgrader.api import Gradebook, MissingEntry
@@ -21,9 +22,17 @@ def _url(path: str) -> str:
     return f"sqlite:///{os.path.abspath(path)}"
 
 
+def alembic_on_path():
+    """nbgrader's Gradebook shells out to `alembic`, which lives beside this interpreter (a venv not activated)."""
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
 @contextlib.contextmanager
 def gradebook(path: str):
     """nbgrader's Gradebook on a file, without its SQLAlchemy autoflush notices on the console."""
+    alembic_on_path()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=SAWarning)
         with Gradebook(_url(path)) as gb:

@@ -59,3 +59,32 @@ def interleaved_1f1b(p: int, m: int, v: int) -> list[list[tuple]]:
         acts += [("B", *bwd(k)) for k in range(b, total)]
         out.append(acts)
     return out
+
+
+def zb_h1(p: int, m: int) -> list[list[tuple]]:
+    """ZB-H1 (Qi et al. 2023, Sec. 2.1): 1F1B with the backward split into B (input grad) and
+    W (weight grad). Rank s runs the same p-s-1 warm-up forwards as 1F1B, then s more (F, B)
+    pairs whose W it postpones, then (F, B, W) triples; the cool-down alternates B and W and
+    ends with the postponed W's. A micro-batch stays in flight until its W, so every rank holds
+    at most p of them: the first rank's peak, the same as 1F1B's (1F1B: p - s on rank s).
+    The postponed W's fill the cool-down idle time that 1F1B has on the first ranks."""
+    out = []
+    for s in range(p):
+        warm = min(p - s - 1, m)
+        acts = [("F", i) for i in range(warm)]
+        f, b, w = warm, 0, 0
+        while f < m:                                   # steady state
+            acts += [("F", f), ("B", b)]
+            f, b = f + 1, b + 1
+            if b - w > s:                              # more than s W's pending: run the oldest
+                acts.append(("W", w))
+                w += 1
+        while b < m:                                   # cool-down: one B, then one W
+            acts.append(("B", b))
+            b += 1
+            if w < b:
+                acts.append(("W", w))
+                w += 1
+        acts += [("W", i) for i in range(w, m)]
+        out.append(acts)
+    return out

@@ -3,12 +3,18 @@
 A schedule is one list of actions per pipeline rank (stage). An action is a tuple
 `(kind, mb)` or `(kind, mb, chunk)`: kind "F" (forward) or "B" (backward) of micro-batch
 `mb`, on model chunk `chunk` (0 unless interleaved: rank r holds chunks r, r+p, r+2p, ...).
-The schedules themselves (GPipe, 1F1B, interleaved) are `reference.schedules`.
+The schedules themselves (GPipe, 1F1B, interleaved, ZB-H1) are `reference.schedules`.
+
+Split backward (zero-bubble schedules, Qi et al. 2023): a schedule that contains a "W" action
+splits every backward in two: ("B", mb) computes only the input gradient (costs t_b) and
+("W", mb) the weight gradient (costs t_w), after B(mb) on the same stage. A schedule without
+any "W" action is simulated exactly as before: "B" is the whole backward.
 
 `simulate` executes the lists as a real pipeline would: each rank runs its list in order,
 and an action starts when its rank is free and its inputs exist:
     F(mb) on virtual stage s   needs F(mb) on s-1 finished           (the activation)
     B(mb) on virtual stage s   needs F(mb) on s and B(mb) on s+1     (the stored input, the grad)
+    W(mb) on virtual stage s   needs B(mb) on s                      (split backward only)
 With every F costing t_f and every B costing t_b, GPipe and 1F1B take (m + p - 1)(t_f + t_b),
 so the idle ("bubble") fraction of the step is (p-1)/(m+p-1) (Huang et al. 2019; Narayanan
 et al. 2021, Sec. 2.2). Interleaving v chunks per rank shrinks it to (p-1)/(v m + p - 1).
@@ -31,6 +37,7 @@ class Timeline:
     makespan: float = 0.0
     busy: list[float] = field(default_factory=list)
     peak_in_flight: list[int] = field(default_factory=list)   # stored activations (micro-batch x chunk)
+    split: bool = False                 # the schedule splits backward into B (input grad) and W (weight grad)
     stuck: tuple | None = None          # (rank, position, action, what it waits for) of a deadlock
     problems: list[str] = field(default_factory=list)
 
@@ -45,13 +52,18 @@ class Timeline:
 
 
 def _norm(a) -> tuple:
-    if not isinstance(a, (tuple, list)) or len(a) not in (2, 3) or a[0] not in ("F", "B"):
-        raise ValueError(f"an action must be ('F'|'B', mb) or ('F'|'B', mb, chunk); got {a!r}")
+    if not isinstance(a, (tuple, list)) or len(a) not in (2, 3) or a[0] not in ("F", "B", "W"):
+        raise ValueError(f"an action must be ('F'|'B'|'W', mb) or ('F'|'B'|'W', mb, chunk); got {a!r}")
     return (a[0], int(a[1]), int(a[2]) if len(a) == 3 else 0)
 
 
-def simulate(schedule, m: int | None = None, v: int = 1, t_f: float = 1.0, t_b: float = 2.0) -> Timeline:
+def simulate(schedule, m: int | None = None, v: int = 1, t_f: float = 1.0, t_b: float = 2.0,
+             t_w: float = 1.0) -> Timeline:
     """Execute per-rank action lists with F costing t_f and B costing t_b (per chunk: /v).
+
+    If the schedule contains "W" actions, B is the input-gradient half of the backward (t_b) and W the
+    weight-gradient half (t_w); a micro-batch's activations stay in flight from its F until its W.
+    Without "W" actions, t_w is unused and B is the whole backward, freeing the activations.
 
     Never raises on a bad schedule: missing, duplicated or unknown actions go to
     `problems`, and a dependency that can never be met stops the simulation with `stuck`.
@@ -60,9 +72,12 @@ def simulate(schedule, m: int | None = None, v: int = 1, t_f: float = 1.0, t_b: 
     acts = [[_norm(a) for a in row] for row in schedule]
     if m is None:
         m = 1 + max((a[1] for row in acts for a in row), default=-1)
-    tl = Timeline(p=p, m=m, v=v, events=[[] for _ in range(p)], busy=[0.0] * p, peak_in_flight=[0] * p)
+    split = any(a[0] == "W" for row in acts for a in row)
+    tl = Timeline(p=p, m=m, v=v, events=[[] for _ in range(p)], busy=[0.0] * p, peak_in_flight=[0] * p,
+                  split=split)
+    kinds = "FBW" if split else "FB"
     for r, row in enumerate(acts):
-        want = {(k, i, c) for k in "FB" for i in range(m) for c in range(v)}
+        want = {(k, i, c) for k in kinds for i in range(m) for c in range(v)}
         seen = {}
         for a in row:
             seen[a] = seen.get(a, 0) + 1
@@ -73,7 +88,8 @@ def simulate(schedule, m: int | None = None, v: int = 1, t_f: float = 1.0, t_b: 
                 tl.problems.append(f"stage {r} runs {a} which is outside m={m}, v={v}")
             elif n > 1:
                 tl.problems.append(f"stage {r} runs {a[0]}(mb {a[1]}) {n} times")
-    cost = {"F": t_f / v, "B": t_b / v}
+    cost = {"F": t_f / v, "B": t_b / v, "W": t_w / v}
+    frees = "W" if split else "B"           # the action after which a micro-batch's activations are gone
     n_virtual = p * v
     done: dict[tuple, float] = {}           # (kind, mb, virtual stage) -> finish time
     pos, clock, live = [0] * p, [0.0] * p, [0] * p
@@ -83,6 +99,8 @@ def simulate(schedule, m: int | None = None, v: int = 1, t_f: float = 1.0, t_b: 
         vs = c * p + r
         if kind == "F":
             return [("F", mb, vs - 1)] if vs > 0 else []
+        if kind == "W":
+            return [("B", mb, vs)]
         return [("F", mb, vs)] + ([("B", mb, vs + 1)] if vs < n_virtual - 1 else [])
 
     progress = True
@@ -99,7 +117,7 @@ def simulate(schedule, m: int | None = None, v: int = 1, t_f: float = 1.0, t_b: 
                 done[(a[0], a[1], a[2] * p + r)] = end
                 tl.events[r].append((start, end, *a))
                 clock[r], tl.busy[r] = end, tl.busy[r] + cost[a[0]]
-                live[r] += 1 if a[0] == "F" else -1
+                live[r] += 1 if a[0] == "F" else -1 if a[0] == frees else 0
                 tl.peak_in_flight[r] = max(tl.peak_in_flight[r], live[r])
                 pos[r] += 1
                 progress = True
@@ -136,6 +154,8 @@ def plot_schedule(tl: Timeline, ax=None, title: str = ""):
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.45 * tl.p + 0.9))
     colors = {"F": "#4C72B0", "B": "#DD8452"}
+    if getattr(tl, "split", False):
+        colors["W"] = "#55A868"
     for r, evs in enumerate(tl.events):
         for start, end, kind, mb, chunk in evs:
             ax.barh(r, end - start, left=start, color=colors[kind], edgecolor="white",
@@ -148,8 +168,9 @@ def plot_schedule(tl: Timeline, ax=None, title: str = ""):
     ax.set_xlabel("time (units of one forward)")
     ax.set_title(title or f"p={tl.p}, m={tl.m}: bubble {tl.bubble_fraction:.1%} "
                           f"(formula {bubble_formula(tl.p, tl.m, tl.v):.1%})")
+    labels = ["forward", "backward"] if len(colors) == 2 else ["forward", "backward: input grad (B)", "weight grad (W)"]
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
-              labels=["forward", "backward"], loc="lower right", fontsize=7)
+              labels=labels, loc="lower right", fontsize=7)
     return ax
 
 

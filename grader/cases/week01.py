@@ -16,6 +16,22 @@ the optimum, because each rank must receive (t-1)/t of the data in each phase.
 Inputs: one (4, ...) stack per case; rank r of a group of size t takes row r. The dense
 results are computed here, in the trusted process, from the stack (cumulative sums, so row
 t-1 is the sum of the first t ranks' inputs).
+
+Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
+ 1. ring_reduce_scatter returns chunk r of the sum -> reduce_scatter: `y`
+ 2. chunks are torch.tensor_split pieces, any numel -> reduce_scatter_uneven (201 at t=4 splits 51,50,50,50,
+    torch.chunk would give 51,51,51,48): `y`; hidden reduce_scatter_hidden (1001)
+ 3. ring_all_gather returns the chunks in rank order along dim 0 -> all_gather: `y`
+ 4. ring_all_reduce returns the sum, shaped like x, any numel -> all_reduce: `y`; hidden all_reduce_hidden
+    (1003) and all_reduce_2d_hidden (37 x 29), not divisible by 2, 3 or 4
+ 5. return a new tensor, leave x unchanged -> every case: ctx.hand("x") (fixture reduce_scatter_in_place)
+ 6. only send/recv traffic, no dist.all_reduce -> every case: Contract.allowed_ops (fixture uses_all_reduce)
+ 7. bytes sent per rank = the ring optimum within 1% -> every case: Contract.bytes_sent["all"]
+ 8. use `group` (t=3 runs on ranks 0-2 of a 4-rank job, t=2 on two groups) -> world_sizes (2, 3, 4) on a
+    4-rank job: a global rank or world size breaks the sub-group runs
+ 9. a ring step that cannot deadlock (non-blocking ops) -> every case: a blocked ring times out and the verdict
+    names the waiting send (fixture deadlock_send_first)
+9 rules stated; 9 checked before this issue (rule 5 by an `x_unchanged` tensor), 9 checked now.
 """
 from __future__ import annotations
 

@@ -18,6 +18,34 @@ as one [2, B, T] all-reduce, so still 3 all-reduces, 4 [B, T]-units of bytes.
 atol=1e-3: logits are 2 N(0, 1) in float32, a loss is a mean of O(1) terms, and the backward is seeded
 with dL/dloss = B*T so each logit grad is O(1) (not O(1/#tokens), where an error would hide under the
 atol); a correct implementation is within ~1e-6, a wrong mask or smoothing term is off by >1e-2.
+
+Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
+ 1. the embedding keeps rows vocab_range(V, r, t) in self.weight -> embedding*: Contract.params, `dW`
+ 2. ... with zeros in the rows past V -> embedding_uneven (V=30, t=4): `weight shard kept by this rank`
+    (new; fixture embedding_padding_ones)
+ 3. forward: mask, shift, look up, zero the masked rows, one all-reduce -> `y`, counts forward {all_reduce: 1},
+    bytes_sent (fixture embedding_forgot_mask)
+ 4. its backward is the identity: no communication -> counts backward {}, `dW`
+ 5. cross-entropy: exactly 3 all-reduces of [B, T] forward, 3 * 2(t-1)/t * B*T*4 bytes -> cross_entropy*:
+    Contract.counts, bytes_sent
+ 6. the first is a MAX all-reduce of the row max -> `forward all-reduces with ReduceOp.MAX` (new: a dispatch
+    mode reads each all-reduce's op; fixture row_max_summed)
+ 7. SUM of the target logit (owner only) and SUM of sum(exp) -> `loss`, `dlogits`
+ 8. padded columns are masked (the checker fills them with PAD_LOGIT) -> cross_entropy_uneven (V=30): `loss`
+    (fixture padding_wins)
+ 9. the mean runs over a loss mask; ignore_index may be a real id -> cross_entropy_uneven,
+    cross_entropy_ignore_real_id: `loss`, `dlogits` (fixture ignored_in_mean)
+10. backward is local, no collective -> counts backward {} (fixture grad_allreduced)
+11. vocab_size is the real V -> the V=30 and V=22 cases on t=4 hold padding columns
+12. never gather the logits: no all-gather anywhere -> Contract.counts (fixture gathered_logits)
+13. label smoothing averages over the whole real V, stacked with the target logit: still 3 all-reduces, 4 [B, T]
+    units of bytes -> cross_entropy_smoothing: counts, bytes_sent, `loss` (fixture smoothing_local_vocab)
+14. smoothing adds -eps/V on every real column in backward -> cross_entropy_smoothing: `dlogits`
+15. 2, 3 and 4 ranks, V not divisible by t -> visible t = 2, 4 with V = 30, 22; hidden t = 3 with V = 37, 53
+15 rules stated; 13 checked before this issue (2 and 6 were not), 15 checked now.
+Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
+ctx.hand on the dense table, the ids, the upstream grad, the logits and the targets (new; fixture
+targets_overwritten).
 """
 from __future__ import annotations
 
@@ -25,7 +53,13 @@ import torch
 import torch.nn.functional as F
 
 from grader.case import Case, Contract, register
-from grader.rank.week04 import MAX_REDUCES, WEIGHT_SHARD, pad_shard, padded_rows, upstream
+from grader.rank.week04 import (
+    MAX_REDUCES,
+    WEIGHT_SHARD,
+    pad_shard,
+    padded_rows,
+    upstream,
+)
 
 MODULE = "vocab_parallel"
 
@@ -106,7 +140,7 @@ HINTS = {
     WEIGHT_SHARD: "Rank r keeps rows vocab_range(V, r, t) of the dense weight in self.weight, and zeros in the rows "
                   "past V (padding ids no one looks up).",
     MAX_REDUCES: "Step 1 all-reduces the row max with op=dist.ReduceOp.MAX, once: a SUM of the local maxima is not "
-                 "the max (the shift no longer keeps exp(z - m) <= 1, and large logits underflow every exp to 0).",
+                 "the global max: the shift is too large, and for large logits every exp(z - m) underflows to 0.",
 }
 
 

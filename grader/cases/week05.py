@@ -8,6 +8,30 @@ Activations are (B, T, C); rank r holds positions r*T/t:(r+1)*T/t (torch.chunk a
 - sp_block_uneven: T not divisible by t; the rule is "zero-pad at the end to a multiple of t". Causal
   attention means real positions never see the pad, and a zero dy on the pad rows leaves every gradient
   equal to the unpadded one; the reference is the dense layer run on the padded sequence.
+
+Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
+ 1. GatherFromSequence: all-gather along T forward, reduce-scatter backward -> sequence_ops: `y_gather`,
+    `dx_gather`, Contract.counts
+ 2. ReduceScatterToSequence: reduce-scatter along T forward, all-gather backward -> sequence_ops:
+    `y_reduce_scatter`, `dx_reduce_scatter`, Contract.counts
+ 3. the collectives split dim 0: move the sequence (dim 1) to the front -> the values (fixture rs_wrong_dim)
+ 4. use `group` in every collective -> world_sizes (2, 4) on a 4-rank job (t=2 on two sub-groups)
+ 5. the dense module names, each holding this rank's shard (q/k/v, gate/up rows; o, down columns) -> sp_block*:
+    Contract.params, `dq_proj` ... `ddown_proj`
+ 6. the two norm weights stay whole (replicated) -> Contract.params (C,)
+ 7. each norm-weight grad is all-reduced during backward -> `dinput_layernorm`, `dpost_attention_layernorm` (the
+    dense grad on every rank), counts backward {all_reduce: 2} (fixture forgot_norm_allreduce)
+ 8. ValueError if the kv heads or the FFN width are not divisible by t -> divisibility (fixture
+    no_divisibility_check)
+ 9. per block 2 all-gathers + 2 reduce-scatters forward, the mirror image backward, no all-reduce of activations ->
+    Contract.counts, bytes_sent (fixture allreduce_then_slice)
+10. the block of the diagram: norm, gather, column, attention/SwiGLU, row, reduce-scatter, residual -> `y`, `dx`
+11. pad_and_split zero-pads the sequence at the end to a multiple of t and returns block r -> sp_block_uneven:
+    `x_block`
+12. the layer runs on the padded T = 7 on 2 and 4 ranks -> sp_block_uneven: `y`, `dx`, every grad
+12 rules stated; 12 checked before this issue, 12 checked now.
+Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
+ctx.hand on the inputs, the upstream grads and the dense layer's parameters (new).
 """
 from __future__ import annotations
 

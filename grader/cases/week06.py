@@ -12,6 +12,25 @@ t = 2; at t = 4 the order, and so the rounding, differs. A second exception is t
 (2, 2, 16) GEMM on the same values gives different last bits when its input starts 4 bytes off a 16-byte
 boundary (measured, torch 2.13 CPU), and at t = 4 the AG check also differed in our runs. So bits are graded
 at t = 2 (where they held in every run) and only atol=1e-3 applies at t = 4.
+
+Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
+ 1. ring_all_gather_matmul returns Y = AllGather(x) W^T (B, T, O) and the gathered x -> ag_matmul: `y`, `x_full`
+ 2. at step k rank r holds the block of rank (r - k) mod t -> ag_matmul at t=4: `y` (fixture wrong_chunk_order)
+ 3. two buffers of its own, used in turn (never the caller's x_s) -> ctx.hand("x_s"), ctx.hand("weight")
+    (fixture receives_into_input)
+ 4. matmul_reduce_scatter returns this rank's block of the sum (B, T/t, O) -> matmul_rs: `y`
+ 5. per ring t-1 sends and t-1 receives, no collective -> every case: Contract.counts
+ 6. the forward equals the non-overlapped version bit for bit (at t = 2, see above) -> ag_matmul, matmul_rs:
+    `same_bits_as_plain`
+ 7. the column linear keeps rows r*O/t:(r+1)*O/t; forward ring AG+GEMM, backward GEMM+RS for dX and dW from the
+    gathered X -> column_linear: Contract.params, counts forward/backward (one ring each), `y`, `dx`, `dW`
+ 8. the row linear keeps that block of columns; forward GEMM+RS, backward ring AG+GEMM of dY -> row_linear: the same
+8 rules stated; 8 checked before this issue, 8 checked now.
+Stated by the lab as reported, not graded: the overlap itself (post step k+1 before the GEMM of step k, wait
+after it). Timing on a shared CPU is not a fair grade; the ungraded cell reports it (fixture serialized_overlap
+passes by design). "No bias" is the lab's scope, not a rule.
+Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> the ring functions'
+inputs (before) and now also the linears' dense weight, input and upstream grad: ctx.hand.
 """
 from __future__ import annotations
 

@@ -9,6 +9,40 @@ sub-blocks of a layer enters its TP region with an all-gather of the sequence sh
 with a reduce-scatter; backward swaps them. The embedding leaves with a reduce-scatter, the head
 enters with an all-gather, and vocab-parallel cross-entropy adds three all-reduces of (B*T) scalars
 (max, sum-exp, target logit) in forward and none in backward.
+
+Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
+ 1. both RMSNorms run on the local tokens with a replicated weight (SequenceParallel) -> block, model:
+    `grad:*layernorm.weight`, Contract.params (fixture norm_not_sp)
+ 2. attention and the MLP all-gather their Shard(1) input to Replicate first (PrepareModuleInput) ->
+    Contract.counts forward {all_gather: 2 per layer}, `y`
+ 3. self_attn is called with keywords: input_kwarg_layouts / desired_input_kwarg_layouts -> every case: the
+    error is named (fixture forgot_kwargs)
+ 4. q/k/v_proj, gate/up_proj column-parallel -> Contract.params (local Shard(0) shapes), `grad:*`
+ 5. o_proj, down_proj row-parallel, leaving with a reduce-scatter to Shard(1) -> Contract.params (Shard(1)),
+    counts {reduce_scatter: 2 per layer}, `y` as this rank's tokens
+ 6. a misspelled key leaves a layer whole: the checker names it -> every case: local shapes checked before the
+    run (fixture plan_typo)
+ 7. embed_tokens: row-wise on the (V, C) table, replicated ids in, sequence shards out (a reduce-scatter) ->
+    model: Contract.params, counts forward {reduce_scatter: 2L + 1}
+ 8. model.norm sequence-parallel -> model: `grad:model.norm.weight`
+ 9. lm_head column-parallel on the vocabulary, Shard(1) in, a vocab-sharded DTensor out for loss_parallel ->
+    model: `logits` (this rank's vocab slice), `loss`, counts forward {all_gather: 2L + 1, all_reduce: 3}
+10. never gather the (B, T, V) logits -> Contract.counts (an extra all-gather is counted)
+11. styles only, no hand-written collectives -> Contract.counts, exact per direction
+12. pad_for_sp pads on the right -> padding: `loss`, `grad:*` (a left pad changes the causal loss)
+13. ... to the next multiple of t -> padding: `pad_for_sp ids`, `pad_for_sp labels` shapes (new: before, any
+    T' >= T with T' % t == 0 passed)
+14. ... the ids with 0 -> padding: `pad_for_sp ids` (new; fixture pad_ids_nonzero)
+15. ... the labels with ignore_index (-100), so the loss and every grad equal the unpadded model's -> padding:
+    `pad_for_sp labels`, `loss`, `grad:*`
+16. apply_fsdp: fully_shard on each decoder layer, then on the root -> fsdp_tp: `decoder layers wrapped by
+    fully_shard`, `root model wrapped by fully_shard (1 = yes)`, `other modules wrapped by fully_shard` (new;
+    fixture fsdp_root_only)
+17. every rank then stores 1/4 of each matrix -> fsdp_tp: Contract.params (dp x tp local shapes)
+18. two SGD steps give the dense model's losses and final weights -> fsdp_tp: `losses`, `param:*`
+18 rules stated; 15 checked before this issue (13, 14 and 16 were not), 18 checked now.
+Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> ctx.hand on the
+inputs, the upstream grad, and the ids and labels handed to pad_for_sp (new).
 """
 from __future__ import annotations
 
@@ -17,9 +51,15 @@ import math
 import torch
 
 from grader.case import Case, Contract, register
-from grader.rank.week07 import CHECKED_PARAMS, FSDP_LAYERS, FSDP_OTHER, FSDP_ROOT, PADDED_IDS, PADDED_LABELS
+from grader.rank.week07 import (
+    CHECKED_PARAMS,
+    FSDP_LAYERS,
+    FSDP_OTHER,
+    FSDP_ROOT,
+    PADDED_IDS,
+    PADDED_LABELS,
+)
 from tpkit.models import DecoderLayer, ForCausalLM, init_weights
-
 
 MODULE = "tp_plan"
 COL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "embed_tokens")   # Shard(0) of the weight

@@ -6,6 +6,30 @@ while the gather of W_{i+1} is already in flight; backward of layer i: all-gathe
 prefetched), dX = dY W_i locally, dW_i = dY^T X summed over ranks *and* split by rows with one
 reduce-scatter. So per step: L all-gathers forward, L all-gathers + L reduce-scatters backward, each
 of (t-1)/t of the full weight per rank, and at most two full weights alive at once.
+
+Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
+ 1. each rank stores 1/t of every weight, a block of output rows -> Contract.params `shards.i`, `dW{i}` rows
+ 2. start(i) gathers into one full buffer, rank r's rows in block r -> forward*, chain*: `y`
+ 3. a weight is whole only around its GEMM, wait(i) forgets it so the buffer dies: the most full weights alive at
+    once is 2 (the one in use, the one in flight) -> `peak_gathered_weights` (fixtures gather_all_upfront: 4,
+    no_prefetch: 1)
+ 4. forward: wait for weight i, start weight i+1 BEFORE the GEMM -> `at each forward GEMM: later weights already
+    being gathered (1 = the next one)` (new: a dispatch mode sees gathers and GEMMs in order; fixture
+    prefetch_after_gemm, whose peak is still 2)
+ 5. save only x for backward, never a full weight -> `full_weights_saved_for_backward` (fixture
+    keep_weight_for_backward)
+ 6. a GELU between layers, none after the last -> `y`
+ 7. backward: wait for weight i (the last one cold), start weight i-1 before dX = dY W_i -> chain*: `at each
+    backward GEMM: earlier weights already being gathered (1 = the previous one)` (new; fixture
+    backward_no_prefetch, whose peak is still 2 from the forward)
+ 8. dX = dY W_i with the re-gathered weight -> chain*: `dx`, counts backward {all_gather: L}
+ 9. dW_i = dY^T X, summed over ranks and split by rows with one reduce-scatter -> chain*: `dW{i}`, counts backward
+    {reduce_scatter: L} and no all-reduce (fixture grads_all_reduced)
+10. one all-gather per weight per direction -> Contract.counts forward {all_gather: L} (and backward, rule 8)
+11. the bytes each rank sends -> Contract.bytes_sent forward and backward
+11 rules stated; 9 checked before this issue (4 and 7 were not), 11 checked now.
+Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> ctx.hand on the
+dense weights handed to from_dense, the micro-batch and the upstream grad (new).
 """
 from __future__ import annotations
 
@@ -15,7 +39,6 @@ import torch
 
 from grader.case import Case, Contract, register
 from grader.rank.week08 import BWD_AHEAD, FWD_AHEAD
-
 
 MODULE = "gtp_linear"
 

@@ -7,17 +7,75 @@
   must match the single-device model; only send/recv; stage s sends one activation per
   micro-batch forward (s < t-1) and one input grad per micro-batch back (s > 0).
 - planner: memory_per_gpu / step_time / plan against tpkit.topology on analytic scenarios.
+
+Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
+ Task 1 (schedule):
+ 1. one list per stage of ("F", mb) / ("B", mb) actions -> run_schedule's type check, then simulate
+ 2. F(mb) after stage s-1's F(mb); B(mb) after its own F(mb) and stage s+1's B(mb) -> `stuck at (stage,
+    position)` (fixture schedule_b_before_f)
+ 3. every action exactly once -> `runs each F(mb) and B(mb) once`
+ 4. gpipe: all m forwards, then all m backwards, in micro-batch order 0..m-1 -> `actions per stage` (new: before,
+    any order with GPipe's dependencies, bubble and peak passed; fixture gpipe_backward_reversed)
+ 5. one_f_one_b: min(p-s-1, m) warm-up forwards, then one forward and one backward (backwards in micro-batch
+    order), then the remaining backwards -> `actions per stage` (new) and `peak activations in flight`
+ 6. the bubble is (p-1)/(m+p-1) -> `bubble fraction`
+ 7. 1F1B keeps at most min(p-s, m) activations on stage s, GPipe m -> `peak activations in flight`
+ Task 2 (pipeline):
+ 8. one training step in the order of your one_f_one_b(p, n_micro)[rank] -> `order this stage ran its forwards and
+    backwards` (new: hooks on the stage record F(k) and B(k) as they run; fixture pipeline_gpipe_order)
+ 9. one activation forward and one gradient back per stage boundary and micro-batch, point to point only ->
+    `bytes sent by this stage`, `collectives other than send/recv` (fixture pipeline_no_grad_back)
+10. the last stage's loss is loss_fn(out, targets[mb]) / n_micro, summed -> `loss`
+11. None on every other stage -> `returns None on a stage other than the last` (new; fixture
+    pipeline_loss_everywhere)
+12. backward with the received gradient, input.grad sent back -> `weight grads of this stage (flattened)`, bytes
+13. group_src / group_dst (ranks inside `group`) -> world_sizes (2, 4) on a 4-rank job (t=2 on two sub-groups)
+14. isend, waited at the end (a blocking send can wait for its neighbour's) -> the deadlock watch names a cycle
+ Task 3 (planner):
+15. memory_per_gpu's four terms -> `memory_per_gpu GB (tp=..,pp=..,dp=..)`
+16. step_time's formula -> `step_time s (...)`
+17. tp divides gpus_per_node (TP inside a node) -> `plan keeps TP inside a node`, 4gpu_nodes `plan (tp, pp, dp)`
+    (fixture planner_tp_across_nodes)
+18. tp divides n_heads -> 12_heads `plan (tp, pp, dp)` (new scenario; fixture planner_heads_ignored)
+19. pp divides n_layers -> 30_layers `plan (tp, pp, dp)` (new scenario; fixture planner_layers_ignored)
+20. tp * pp * dp = all GPUs -> 40_gpus `plan (tp, pp, dp)` (new scenario; fixture planner_idle_gpus)
+21. dp * b divides the global batch -> batch_40 `plan (tp, pp, dp)` (new scenario; fixture planner_batch_ignored)
+22. memory total <= gpu_mem -> `plan fits in gpu_mem`, too_big (fixture planner_ignores_memory)
+23. on equal times the smaller tp, then the smaller pp -> ideal_cluster `plan (tp, pp, dp)` (new scenario: every
+    layout takes 0 s; fixture planner_ties_last)
+24. None if nothing fits -> too_big, 40_gpus: `plan (tp, pp, dp); 0 = None`
+25. a Plan(tp, pp, dp, m, memory, {"step": seconds}) -> `plan memory GB`, `plan step time s`, `plan m
+    (micro-batches per pipeline)` (m new; fixture planner_m_without_micro_batch)
+25 rules stated; 15 checked before this issue (4, 8, 11, 18-21 and 23 were not; 5 and 25 only in part: the
+1F1B peak but not its order, the plan but not its m), 25 checked now.
+Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> ctx.hand on the
+micro-batches and targets handed to run_pipeline (new).
 """
 from __future__ import annotations
 
 import torch
 
-from tpkit import pipeline as pl
-from reference import planner, schedules
 from grader.case import Case, Contract, register
-from grader.rank.week09 import (BUBBLE, BYTES, GRADS, NONE_ELSEWHERE, ONCE, ORDER, OTHER, PEAK, RUN_ORDER,
-                                SCENARIOS, SCENARIOS_HIDDEN, STUCK, build_model, encode_actions, loss_fn,
-                                planner_tensors)
+from grader.rank.week09 import (
+    BUBBLE,
+    BYTES,
+    GRADS,
+    NONE_ELSEWHERE,
+    ONCE,
+    ORDER,
+    OTHER,
+    PEAK,
+    RUN_ORDER,
+    SCENARIOS,
+    SCENARIOS_HIDDEN,
+    STUCK,
+    build_model,
+    encode_actions,
+    loss_fn,
+    planner_tensors,
+)
+from reference import planner, schedules
+from tpkit import pipeline as pl
 
 MODULE = "pipeline_lab"
 

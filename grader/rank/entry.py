@@ -181,10 +181,8 @@ def main(attempt: str) -> int:
         pass
     with open(progress, "w") as f:
         json.dump({"item": None, "phase": "done", "where": "finished"}, f)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+    # no destroy_process_group(): it would wait (up to the process-group timeout) for the collectives a
+    # deadlocked item abandoned; the process ends here and takes gloo's threads with it
     return 0
 
 

@@ -5,8 +5,9 @@ watch replaces it with a wait that polls the work and, between polls, reads wher
 the item's group are (each rank's progress file: the ledger writes "inside" a collective, this watch
 "waiting" on one, the entry "finished" after the item). When every rank of the group is waiting or
 has finished the item, and they are not all waiting on the same collective, no wait can ever
-complete: that is a deadlock, and after the picture has held still for `STABLE_S` the waiting ranks
-raise `Deadlock`, which names who waits where. gloo completes a send/recv or a reduce-scatter only inside
+complete: that is a deadlock, and after the picture has held still for `STABLE_S` the first rank to see
+it raises `Deadlock`, which names who waits where, and publishes it: the group's other waiting ranks
+give up at once with the same picture. gloo completes a send/recv or a reduce-scatter only inside
 `wait()`, so a rank blocked in one cannot poll: a thread watches for it, and when the process-group
 timeout ends the wait the verdict is the picture the thread saw. The process-group timeout stays the backstop (and ends
 a rank blocked where no Work is waited on, e.g. a functional collective).
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-STABLE_S = 1.0           # the same all-blocked picture this long means nothing is in flight
+STABLE_S = 0.5           # the same all-blocked picture this long (a collective completes in ms) means none will
 STABLE_P2P_S = 3.0       # ... and when every wait is a send/recv, whose data may still be on the way
 CHECK_EVERY_S = 0.05
 P2P = ("send", "recv")
@@ -65,10 +66,10 @@ class Watch:
         return os.path.join(self.outdir, f"rank{job_rank}.progress")
 
     def begin(self, item_id: str, ranks: list[int], ledger):
-        self.item, self.ranks, self.ledger = item_id, ranks, ledger
+        self.item, self.ranks, self.ledger, self.verdict = item_id, ranks, ledger, None
 
     def end(self):
-        if self.item is not None:
+        if self.item is not None and self.verdict is None:   # a deadlock verdict stays published
             self._write({"item": self.item, "where": "finished"})
         self.item = None
 
@@ -100,8 +101,12 @@ class Watch:
             if int(work._get_op_type()) not in _POLLABLE:
                 return self._wait_blocking(work)
             self._poll(work.is_completed)
-        finally:
-            self._write({"item": self.item, "where": "between collectives", "phase": getattr(self.ledger, "phase", "?")})
+        except Deadlock as d:
+            # published, so that the group's other waiting ranks give up at once with the same picture
+            self.verdict = str(d)
+            self._write({"item": self.item, "where": "deadlock", "message": self.verdict})
+            raise
+        self._write({"item": self.item, "where": "between collectives", "phase": getattr(self.ledger, "phase", "?")})
         return self._orig(work)
 
     def _poll(self, done) -> None:
@@ -115,6 +120,10 @@ class Watch:
             if now < next_check:
                 continue
             next_check = now + CHECK_EVERY_S
+            for r in self.ranks:                 # a peer already judged this item's deadlock
+                peer = self._read(r)
+                if peer.get("item") == self.item and peer.get("where") == "deadlock":
+                    raise Deadlock(peer.get("message", "deadlock"))
             seen = self._deadlock_picture()
             if seen is None or seen != picture:
                 picture, since = seen, now
@@ -150,7 +159,7 @@ class Watch:
         states = []
         for r in self.ranks:
             s = self._read(r)
-            finished = s.get("item") != self.item or s.get("where") in ("finished", "done")
+            finished = s.get("item") != self.item or s.get("where") in ("finished", "done", "deadlock")
             if not finished and s.get("where") != "waiting":
                 return None                     # someone is still computing or issuing: not (yet) stuck
             states.append(("finished",) if finished else ("waiting", s.get("op"), s.get("index"), s.get("phase")))

@@ -1,28 +1,33 @@
 """Week 2 on a rank: build the student's ColumnParallelLinear / RowParallelLinear from the dense
-weights, run forward and backward on this rank's input, return outputs and grads for the trusted compare."""
+weights, run forward and backward on this rank's input, return outputs and grads for the trusted compare.
+Every tensor handed to the student's code (the dense layer's parameters, the input, the upstream grad)
+goes through ctx.hand: the rank entry fails the item if the code wrote into one of them."""
 from __future__ import annotations
 
 import torch
 
 
-def _dense(w, b):
+def _dense(w, b, ctx=None, name="linear"):
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
     with torch.no_grad():
         lin.weight.copy_(w)
         if b is not None:
             lin.bias.copy_(b)
+    if ctx is not None:      # from_dense may read the dense layer, never write into it
+        for n, p in lin.named_parameters():
+            ctx.hand(f"{name}.{n}", p)
     return lin
 
 
 def run_column(mod, cfg, inp, ctx):
-    layer = mod.ColumnParallelLinear.from_dense(_dense(inp["W"], inp.get("b")),
+    layer = mod.ColumnParallelLinear.from_dense(_dense(inp["W"], inp.get("b"), ctx),
                                                 gather_output=cfg["gather"], group=ctx.group)
     ctx.record_params(layer)
-    x = inp["x"].clone().requires_grad_(True)
+    x = ctx.hand("x", inp["x"].clone()).requires_grad_(True)
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
-    dy = inp["dy"] if cfg["gather"] else ctx.shard(inp["dy"], -1)
+    dy = ctx.hand("dy", inp["dy"] if cfg["gather"] else ctx.shard(inp["dy"], -1))
     ctx.backward(y, dy)
     out = {"y": y, "dx": x.grad, "dW": ctx.grad(layer, "weight")}
     if "b" in inp:
@@ -31,15 +36,15 @@ def run_column(mod, cfg, inp, ctx):
 
 
 def run_row(mod, cfg, inp, ctx):
-    layer = mod.RowParallelLinear.from_dense(_dense(inp["W"], inp.get("b")),
+    layer = mod.RowParallelLinear.from_dense(_dense(inp["W"], inp.get("b"), ctx),
                                              input_is_parallel=cfg["parallel_input"], group=ctx.group)
     ctx.record_params(layer)
     x_in = ctx.shard(inp["x"], -1) if cfg["parallel_input"] else inp["x"]
-    x = x_in.clone().requires_grad_(True)
+    x = ctx.hand("x", x_in.clone()).requires_grad_(True)
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
-    ctx.backward(y, inp["dy"])
+    ctx.backward(y, ctx.hand("dy", inp["dy"]))
     out = {"y": y, "dx": x.grad, "dW": ctx.grad(layer, "weight")}
     if "b" in inp:
         out["db"] = ctx.grad(layer, "bias")
@@ -47,14 +52,16 @@ def run_row(mod, cfg, inp, ctx):
 
 
 def run_mlp(mod, cfg, inp, ctx):
-    fc1 = mod.ColumnParallelLinear.from_dense(_dense(inp["W1"], inp["b1"]), gather_output=False, group=ctx.group)
-    fc2 = mod.RowParallelLinear.from_dense(_dense(inp["W2"], inp["b2"]), input_is_parallel=True, group=ctx.group)
+    fc1 = mod.ColumnParallelLinear.from_dense(_dense(inp["W1"], inp["b1"], ctx, "fc1"), gather_output=False,
+                                              group=ctx.group)
+    fc2 = mod.RowParallelLinear.from_dense(_dense(inp["W2"], inp["b2"], ctx, "fc2"), input_is_parallel=True,
+                                           group=ctx.group)
     ctx.record_params(fc1, "fc1.")
     ctx.record_params(fc2, "fc2.")
-    x = inp["x"].clone().requires_grad_(True)
+    x = ctx.hand("x", inp["x"].clone()).requires_grad_(True)
     ctx.phase("forward")
     y = fc2(torch.nn.functional.gelu(fc1(x)))
     ctx.phase("backward")
-    ctx.backward(y, inp["dy"])
+    ctx.backward(y, ctx.hand("dy", inp["dy"]))
     return {"y": y, "dx": x.grad, "dW1": ctx.grad(fc1, "weight"), "db1": ctx.grad(fc1, "bias"),
             "dW2": ctx.grad(fc2, "weight"), "db2": ctx.grad(fc2, "bias")}

@@ -1,7 +1,9 @@
 """Week 3 on a rank: rebuild the dense tpkit.models Attention (or DecoderLayer) from the case's weights,
 shard it with the student's TPAttention.from_dense (or TPDecoderLayer.from_dense) on the case's group,
 run forward and backward on the full, replicated input and return the output, the input grad and this
-rank's weight grads (their shard of each sharded weight, the whole grad of each replicated norm)."""
+rank's weight grads (their shard of each sharded weight, the whole grad of each replicated norm). Every
+tensor handed to the student's code (the dense module's parameters, the input, the upstream grad) goes
+through ctx.hand: the rank entry fails the item if the code wrote into one of them."""
 from __future__ import annotations
 
 import torch
@@ -29,13 +31,16 @@ def _grads(module, names):
 
 def _run(kind, mod, cfg, inp, ctx):
     cls = mod.TPAttention if kind == "attention" else mod.TPDecoderLayer
-    layer = cls.from_dense(_dense(kind, cfg, inp), group=ctx.group)
+    dense = _dense(kind, cfg, inp)
+    for n, p in dense.named_parameters():     # from_dense may read the dense module, never write into it
+        ctx.hand(f"dense.{n}", p)
+    layer = cls.from_dense(dense, group=ctx.group)
     ctx.record_params(layer)
-    x = inp["x"].clone().requires_grad_(True)
+    x = ctx.hand("hidden_states", inp["x"].clone()).requires_grad_(True)
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
-    y.backward(inp["dy"])
+    y.backward(ctx.hand("dy", inp["dy"]))
     return {"y": y, "dx": x.grad, **_grads(layer, ATTN_PARAMS if kind == "attention" else BLOCK_PARAMS)}
 
 

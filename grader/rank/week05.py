@@ -2,8 +2,10 @@
 block (and the per-rank summands) forward and backward; or build the dense DecoderLayer from the case's
 weight seed, shard it with SPDecoderLayer.from_dense, feed it this rank's block of positions (cut by the
 student's pad_and_split when T is not divisible by t) and return the output block, its input grad, this
-rank's weight-grad shards and the replicated norm-weight grads. The dense layer and the pad rule live
-here, and the trusted side imports them."""
+rank's weight-grad shards and the replicated norm-weight grads. Every tensor handed to the student's code
+(inputs, upstream grads, the dense layer's parameters) goes through ctx.hand: the rank entry fails the item
+if the code wrote into one of them. The dense layer and the pad rule live here, and the trusted side
+imports them."""
 from __future__ import annotations
 
 import torch
@@ -28,32 +30,35 @@ def pad_seq(x, t):
 
 def run_sequence_ops(mod, cfg, inp, ctx):
     r = ctx.rank
-    x = ctx.shard(inp["x"], 1).clone().requires_grad_(True)
-    xr = inp["xs"][r].clone().requires_grad_(True)
+    x = ctx.hand("x (GatherFromSequence)", ctx.shard(inp["x"], 1).clone()).requires_grad_(True)
+    xr = ctx.hand("x (ReduceScatterToSequence)", inp["xs"][r].clone()).requires_grad_(True)
     ctx.phase("forward")
     y_gather = mod.GatherFromSequence.apply(x, ctx.group)
     y_rs = mod.ReduceScatterToSequence.apply(xr, ctx.group)
     ctx.phase("backward")
-    y_gather.backward(inp["dys"][r])
-    y_rs.backward(ctx.shard(inp["dy"], 1))
+    y_gather.backward(ctx.hand("grad (GatherFromSequence.backward)", inp["dys"][r]))
+    y_rs.backward(ctx.hand("grad (ReduceScatterToSequence.backward)", ctx.shard(inp["dy"], 1)))
     return {"y_gather": y_gather, "dx_gather": x.grad, "y_reduce_scatter": y_rs, "dx_reduce_scatter": xr.grad}
 
 
 def run_block(mod, cfg, inp, ctx):
-    layer = mod.SPDecoderLayer.from_dense(dense_layer(cfg, inp), group=ctx.group)
+    dense = dense_layer(cfg, inp)
+    for n, p in dense.named_parameters():     # from_dense may read the dense layer, never write into it
+        ctx.hand(f"dense.{n}", p)
+    layer = mod.SPDecoderLayer.from_dense(dense, group=ctx.group)
     ctx.record_params(layer)
     out = {}
     if cfg.get("uneven"):
-        x_block = mod.pad_and_split(inp["x"], ctx.group)
+        x_block = mod.pad_and_split(ctx.hand("x (pad_and_split)", inp["x"]), ctx.group)
         out["x_block"] = x_block
         dy = ctx.shard(pad_seq(inp["dy"], ctx.world_size), 1)
     else:
         x_block, dy = ctx.shard(inp["x"], 1), ctx.shard(inp["dy"], 1)
-    x = x_block.detach().clone().requires_grad_(True)
+    x = ctx.hand("x", x_block.detach().clone()).requires_grad_(True)
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
-    y.backward(dy)
+    y.backward(ctx.hand("dy", dy))
     params = dict(layer.named_parameters())
     out.update({"y": y, "dx": x.grad})
     for name in COLUMN + ROW + NORMS:

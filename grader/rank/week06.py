@@ -2,7 +2,8 @@
 (forward only), then recompute the non-overlapped version (all-gather then F.linear per block, or F.linear
 per block then reduce-scatter) in the "harness" phase the contract ignores, to report bit-exactness at
 t = 2; or build OverlapColumnParallelLinear / OverlapRowParallelLinear from the dense weight and return
-output, input grad and weight grad after forward and backward."""
+output, input grad and weight grad after forward and backward. Every tensor handed to the student's code
+goes through ctx.hand: the rank entry fails the item if the code wrote into one of them."""
 from __future__ import annotations
 
 import torch
@@ -75,13 +76,14 @@ def run_linear(mod, cfg, inp, ctx):
     dense = torch.nn.Linear(cfg["in"], cfg["out"], bias=False)
     with torch.no_grad():
         dense.weight.copy_(inp["W"])
+    ctx.hand("linear.weight", dense.weight)    # from_dense may read the dense layer, never write into it
     column = cfg["kind"] == "column"
     cls = mod.OverlapColumnParallelLinear if column else mod.OverlapRowParallelLinear
     layer = cls.from_dense(dense, group=ctx.group)
     ctx.record_params(layer)
-    x = (ctx.shard(inp["x"], 1) if column else ctx.shard(inp["x"], 2)).clone().requires_grad_(True)
+    x = ctx.hand("x", (ctx.shard(inp["x"], 1) if column else ctx.shard(inp["x"], 2)).clone()).requires_grad_(True)
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
-    y.backward(ctx.shard(inp["dy"], 2) if column else ctx.shard(inp["dy"], 1))
+    y.backward(ctx.hand("dy", ctx.shard(inp["dy"], 2) if column else ctx.shard(inp["dy"], 1)))
     return {"y": y, "dx": x.grad, "dW": layer.weight.grad}

@@ -20,11 +20,11 @@ def _warm_imports():
     The rank entry must import this module before it arms the item timeout: a lazy import interrupted by
     that alarm would leave torch._dynamo half-initialised for every later item.
     """
-    import torch._dynamo  # noqa: F401
-    import torch.distributed.tensor  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
+    import torch._dynamo
+    import torch.distributed.fsdp
+    import torch.distributed.tensor
+    import torch.distributed.tensor.debug
     import torch.distributed.tensor.parallel  # noqa: F401
-    import torch.distributed.tensor.debug  # noqa: F401
 
 
 if os.environ.get("COURSE_JOB_ID"):   # not in the trusted process, which imports CHECKED_PARAMS from here
@@ -84,8 +84,10 @@ def _explain(exc: BaseException):
 
 def run_plan(mod, cfg, inp, ctx):
     import warnings
+
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
+
     from tpkit.dtensor import local_grad, see_dtensor_collectives, tp_mesh_for
 
     mc = _cfg(cfg)
@@ -139,10 +141,12 @@ def run_plan(mod, cfg, inp, ctx):
 
 def run_fsdp_tp(mod, cfg, inp, ctx):
     import warnings
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
+
     from tpkit.dtensor import quiet_redistribute_warnings, see_dtensor_collectives
 
     mc = _cfg(cfg)

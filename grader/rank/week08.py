@@ -17,9 +17,9 @@ def _warm_imports():
     The rank entry must import this module before it arms the item timeout: a lazy import interrupted by
     that alarm would leave torch._dynamo half-initialised for every later item.
     """
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo
+    import torch.distributed._functional_collectives
     import torch.distributed.tensor  # noqa: F401
-    import torch.distributed._functional_collectives  # noqa: F401
 
 
 if os.environ.get("COURSE_JOB_ID"):   # only in a grading job's processes, not when the trusted side imports it
@@ -36,9 +36,10 @@ def _prefetch_order(ledger):
     reads a gathered buffer (or a view of it), it records how many gathers of that phase were launched after
     that buffer's own. Defined per call, so nothing at module level stands between the student and it."""
     import weakref
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class PrefetchOrder(TorchDispatchMode):
+    from tpkit.dispatch import MeasuringMode
+
+    class PrefetchOrder(MeasuringMode):
         def __init__(self):
             super().__init__()
             self.gathers: dict[str, list] = {}     # phase -> [(weakref to the buffer, storage ptr, read yet)]

@@ -33,7 +33,7 @@ NONE_ELSEWHERE = "returns None on a stage other than the last (1 = yes)"
 def encode_actions(actions, length: int) -> torch.Tensor:
     """[(kind, mb), ...] -> a (max(length, n), 2) int tensor of (0 = F / 1 = B, mb), padded with -1: a missing
     action shows where it is missing, an extra one as a longer tensor."""
-    rows = [(0 if a[0] == "F" else 1 if a[0] == "B" else -2, int(a[1])) for a in actions]
+    rows = [({"F": 0, "B": 1, "W": 2}.get(a[0], -2), int(a[1])) for a in actions]
     out = torch.full((max(length, len(rows)), 2), -1, dtype=torch.int64)
     if rows:
         out[:len(rows)] = torch.tensor(rows, dtype=torch.int64)
@@ -126,6 +126,9 @@ SCENARIOS = {
     # ... dp * b must divide the global batch (dp=8 with b=2 would be faster; 40 sequences), and m = 40/(dp b) ...
     "batch_40": (topo.ModelSpec("7B, batch 40", 7e9, 32, 4096, 32, 2048, global_batch=40, micro_batch=2),
                  topo.ClusterSpec(n_nodes=2), [(4, 1, 4)]),
+    # ... tp * pp * dp must use every GPU (on 40 GPUs with 16 layers and a batch of 48 no layout does, so None;
+    # a planner that leaves GPUs idle answers (8, 4, 1) on 32 of them) ...
+    "40_gpus": (topo.ModelSpec("30B", 30e9, 16, 8192, 64, 2048, global_batch=48), topo.ClusterSpec(n_nodes=5), []),
     # ... and ties: with infinite FLOP/s and bandwidth every layout takes 0 s, so the rule "on equal times the
     # smaller tp, then the smaller pp" alone decides: (1, 1, 8)
     "ideal_cluster": (topo.ModelSpec("1B", 1e9, 8, 1024, 8, 1024, global_batch=64),
