@@ -297,7 +297,8 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
 def _attempt(jobdir, k, items, backend, launcher, mode, pg_timeout, stream, wrap, interactive):
     """One launch of `items` in fresh ranks. Returns (run, box, results, the items it can judge)."""
     from launch import run as launch_run
-    from grader.sandbox import ROOT, Sandbox, give_to
+    from grader import ROOT
+    from grader.sandbox import Sandbox, give_to
     world = max(it["t"] for it in items)
     here = os.path.join(jobdir, f"attempt{k}")
     outdir = os.path.join(here, "out")          # the only folder the ranks may write

@@ -11,7 +11,7 @@ import os
 import re
 import time
 
-from grader.nbgrader_tools import ROOT
+from grader import ROOT
 
 # absolute paths of the machine that executed a notebook (checkout, temp files, home folders, venvs)
 _MACHINE_PATH = re.compile(r"(?<![\w.])/(?:tmp|root|home|work|usr/lib/python|opt)/[\w./-]+")

@@ -13,7 +13,7 @@ import tempfile
 
 from grader.notebook import module_sources
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from grader import ROOT
 
 
 def weeks(root: str = ROOT) -> list[str]:

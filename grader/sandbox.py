@@ -30,8 +30,9 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
+from grader import ROOT
+
 PIDS_ROOT = "/sys/fs/cgroup/pids"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOBODY = 65534
 # what a grading rank imports of the course; a kernel gets the teaching library and the launcher only
 RANK_VIEW = ("launch", "tpkit", "grader/__init__.py", "grader/rank")

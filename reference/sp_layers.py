@@ -10,9 +10,9 @@ all-reduce for a reduce-scatter (into the sequence region) + an all-gather (out 
 Operators (forward / backward):
     GatherFromSequence      all-gather along T   / reduce-scatter along T
     ReduceScatterToSequence reduce-scatter along T / all-gather along T
-    CopyToTP (f)            identity             / all-reduce        (plain TP)
-    ReduceFromTP (g)        all-reduce           / identity          (plain TP)
-    SyncReplicatedGrad      identity             / all-reduce        (SP norm weights: each rank saw T/t tokens)
+    CopyToTP (f)            identity             / all-reduce        (plain TP; reference.tp_layers)
+    ReduceFromTP (g)        all-reduce           / identity          (plain TP; reference.tp_layers)
+    CopyToTP on a weight    identity             / all-reduce        (SP norm weights: each rank saw T/t tokens)
 
 `all_gather_single` / `reduce_scatter_single` (formerly `*_into_tensor`, `*_tensor`) work on dim 0, so the sequence dim is moved to the front.
 This module is the lecture's and the profile's; the week-5 lab asks students to write their own.
@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from reference.tp_layers import CopyToTP, ReduceFromTP
 from tpkit.models import DecoderLayer, apply_rotary, causal_attention, rotary_cos_sin
 
 
@@ -67,38 +68,6 @@ class ReduceScatterToSequence(torch.autograd.Function):
     def backward(ctx, g):
         # the partial sums all fed the same output: each rank needs the whole dY
         return all_gather_seq(g, ctx.group), None
-
-
-class CopyToTP(torch.autograd.Function):
-    """f: identity forward; all-reduce backward (dX is a partial sum over the heads/columns a rank holds)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-SyncReplicatedGrad = CopyToTP   # applied to a replicated weight: its grad is summed over the group
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
 
 
 class GatherLinearSaveLocal(torch.autograd.Function):
@@ -188,7 +157,7 @@ class ParallelDecoderLayer(nn.Module):
 
     def _norm_weight(self, w):
         # SP: each rank's norm saw only T/t positions, so its weight grad is a partial sum
-        return SyncReplicatedGrad.apply(w, self.group) if self.mode == "sp" else w
+        return CopyToTP.apply(w, self.group) if self.mode == "sp" else w
 
     def forward(self, x):
         B, Tl, C = x.shape

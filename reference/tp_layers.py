@@ -23,7 +23,7 @@ def group_info(group=None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-class _CopyToTP(torch.autograd.Function):
+class CopyToTP(torch.autograd.Function):
     """f: forward identity; backward all-reduce (each rank holds one term of dX = sum_r dY_r W_r)."""
 
     @staticmethod
@@ -38,7 +38,7 @@ class _CopyToTP(torch.autograd.Function):
         return grad, None
 
 
-class _ReduceFromTP(torch.autograd.Function):
+class ReduceFromTP(torch.autograd.Function):
     """g: forward all-reduce (sum the partial products X_r W_r^T); backward identity (dY is replicated)."""
 
     @staticmethod
@@ -87,11 +87,11 @@ class _SplitLastDim(torch.autograd.Function):
 
 
 def copy_to_tp(x, group=None):
-    return _CopyToTP.apply(x, group)
+    return CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x, group=None):
-    return _ReduceFromTP.apply(x, group)
+    return ReduceFromTP.apply(x, group)
 
 
 def gather_last_dim(x, group=None):

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from reference.tp_layers import ReduceFromTP  # g: all-reduce SUM forward, identity backward
+
 
 def vocab_range(vocab_size: int, rank: int, world: int) -> tuple[int, int]:
     per = math.ceil(vocab_size / world)
@@ -36,27 +38,13 @@ def shard_rows(weight: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return out
 
 
-class SumAcrossRanks(torch.autograd.Function):
-    """g: all-reduce SUM forward; identity backward (the sum's grad w.r.t. each rank's term is 1)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def embedding_lookup(ids: torch.Tensor, shard: torch.Tensor, start: int, group=None) -> torch.Tensor:
     """(B, T) ids -> (B, T, C), from this rank's rows [start, start + len(shard))."""
     local = ids - start
     outside = (local < 0) | (local >= shard.shape[0])                  # another rank owns these ids
     y = F.embedding(local.masked_fill(outside, 0), shard)              # (B, T, C)
     y = y.masked_fill(outside.unsqueeze(-1), 0.0)                      # zero what is not ours
-    return SumAcrossRanks.apply(y, group)                              # one all-reduce of (B, T, C)
+    return ReduceFromTP.apply(y, group)                              # one all-reduce of (B, T, C)
 
 
 def cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, group=None,
@@ -81,11 +69,11 @@ def cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, vocab_size:
     z_t = torch.gather(z, -1, local_t.masked_fill(~mine, 0).unsqueeze(-1)).squeeze(-1)
     z_t = torch.where(mine, z_t, torch.zeros_like(z_t))
     if label_smoothing > 0 and not local_smoothing:
-        both = SumAcrossRanks.apply(torch.stack([z_t, z.masked_fill(~real, 0.0).sum(-1)]), group)  # 2: SUM
+        both = ReduceFromTP.apply(torch.stack([z_t, z.masked_fill(~real, 0.0).sum(-1)]), group)  # 2: SUM
         z_t, z_sum = both[0], both[1]
     else:
-        z_t = SumAcrossRanks.apply(z_t, group)                                     # 2: SUM
-    lse = SumAcrossRanks.apply(z.exp().sum(-1), group).log()                       # 3: SUM, (B, T)
+        z_t = ReduceFromTP.apply(z_t, group)                                     # 2: SUM
+    lse = ReduceFromTP.apply(z.exp().sum(-1), group).log()                       # 3: SUM, (B, T)
     per_token = lse - z_t
     if label_smoothing > 0:
         if local_smoothing:   # mean over this rank's columns only: a different number on every rank

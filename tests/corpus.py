@@ -24,7 +24,7 @@ import re
 
 import nbformat
 
-from grader.nbgrader_tools import ROOT
+from grader import ROOT
 from grader.notebook import _WRITEFILE, cell_source, module_sources
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")

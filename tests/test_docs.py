@@ -19,7 +19,7 @@ import tempfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from grader import ROOT
 GUIDES = ["docs/student.md", "docs/instructor.md"]
 _FENCE = re.compile(r"^```(bash[^\n]*)\n(.*?)^```", re.S | re.M)
 

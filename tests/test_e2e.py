@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from grader import ROOT
 SITE = os.path.join(ROOT, "build", "book")
 SHOTS = os.path.join(ROOT, "build", "screenshots")
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
