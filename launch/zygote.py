@@ -131,7 +131,7 @@ def _request(path: str, req: dict, fd: int | None = None, timeout: float = 5.0) 
         return json.loads(c.recv(65536).decode())
 
 
-def ensure_zygote(preload: tuple[str, ...] = (), start_timeout: float = 60.0) -> str:
+def ensure_zygote(preload: tuple[str, ...] = (), start_timeout: float = 120.0) -> str:
     """The socket of this process's zygote, started (or restarted on a code change) as needed."""
     import subprocess
     path = socket_path()

@@ -29,8 +29,8 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  7. bytes sent per rank = the ring optimum within 1% -> every case: Contract.bytes_sent["all"]
  8. use `group` (t=3 runs on ranks 0-2 of a 4-rank job, t=2 on two groups) -> world_sizes (2, 3, 4) on a
     4-rank job: a global rank or world size breaks the sub-group runs
- 9. a ring step that cannot deadlock (non-blocking ops) -> every case: a blocked ring times out and the verdict
-    names the waiting send (fixture deadlock_send_first)
+ 9. a ring step that cannot deadlock (non-blocking ops) -> every case: the deadlock watch names the ranks waiting
+    in their sends (fixture deadlock_send_first)
 9 rules stated; 9 checked before this issue (rule 5 by an `x_unchanged` tensor), 9 checked now.
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
     collective, barriers included, is counted too (fixture extra_barrier)
 11 rules stated; 11 checked before this issue, 11 checked now.
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
-ctx.hand on the dense layer's parameters, the input and the upstream grad (new).
+ctx.hand on the dense layer's parameters and the input (new; see grader/rank/week02.py on upstream grads).
 """
 from __future__ import annotations
 

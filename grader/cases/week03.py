@@ -41,7 +41,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
     import of tp_linear fails on every rank
 15 rules stated; 15 checked before this issue, 15 checked now.
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
-ctx.hand on the dense module's parameters, the input and the upstream grad (new).
+ctx.hand on the dense module's parameters and the input (new; see grader/rank/week02.py on upstream grads).
 """
 from __future__ import annotations
 

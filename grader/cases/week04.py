@@ -44,7 +44,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 15. 2, 3 and 4 ranks, V not divisible by t -> visible t = 2, 4 with V = 30, 22; hidden t = 3 with V = 37, 53
 15 rules stated; 13 checked before this issue (2 and 6 were not), 15 checked now.
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
-ctx.hand on the dense table, the ids, the upstream grad, the logits and the targets (new; fixture
+ctx.hand on the dense table, the ids, the logits and the targets (new; fixture
 targets_overwritten).
 """
 from __future__ import annotations

@@ -31,7 +31,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 12. the layer runs on the padded T = 7 on 2 and 4 ranks -> sp_block_uneven: `y`, `dx`, every grad
 12 rules stated; 12 checked before this issue, 12 checked now.
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
-ctx.hand on the inputs, the upstream grads and the dense layer's parameters (new).
+ctx.hand on the inputs and the dense layer's parameters (new; see grader/rank/week02.py on upstream grads).
 """
 from __future__ import annotations
 

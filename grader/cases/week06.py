@@ -30,7 +30,7 @@ Stated by the lab as reported, not graded: the overlap itself (post step k+1 bef
 after it). Timing on a shared CPU is not a fair grade; the ungraded cell reports it (fixture serialized_overlap
 passes by design). "No bias" is the lab's scope, not a rule.
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> the ring functions'
-inputs (before) and now also the linears' dense weight, input and upstream grad: ctx.hand.
+inputs (before) and now also the linears' dense weight and input: ctx.hand.
 """
 from __future__ import annotations
 

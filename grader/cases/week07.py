@@ -42,7 +42,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 18. two SGD steps give the dense model's losses and final weights -> fsdp_tp: `losses`, `param:*`
 18 rules stated; 15 checked before this issue (13, 14 and 16 were not), 18 checked now.
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> ctx.hand on the
-inputs, the upstream grad, and the ids and labels handed to pad_for_sp (new).
+inputs, and the ids and labels handed to pad_for_sp (new).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 11. the bytes each rank sends -> Contract.bytes_sent forward and backward
 11 rules stated; 9 checked before this issue (4 and 7 were not), 11 checked now.
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> ctx.hand on the
-dense weights handed to from_dense, the micro-batch and the upstream grad (new).
+dense weights handed to from_dense and the micro-batch (new).
 """
 from __future__ import annotations
 

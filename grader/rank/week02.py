@@ -1,7 +1,10 @@
 """Week 2 on a rank: build the student's ColumnParallelLinear / RowParallelLinear from the dense
 weights, run forward and backward on this rank's input, return outputs and grads for the trusted compare.
-Every tensor handed to the student's code (the dense layer's parameters, the input, the upstream grad)
-goes through ctx.hand: the rank entry fails the item if the code wrote into one of them."""
+Every tensor handed to the student's code (the dense layer's parameters, the input) goes through ctx.hand:
+the rank entry fails the item if the code wrote into one of them. The upstream grad given to .backward()
+is not handed (in any week): autograd passes it to the output's backward, and a backward that reduces its
+incoming grad in place (g all-reducing in backward too) is a wrong collective the contract already names;
+failing it as "overwrote dy" would hide that cause."""
 from __future__ import annotations
 
 import torch
@@ -27,7 +30,7 @@ def run_column(mod, cfg, inp, ctx):
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
-    dy = ctx.hand("dy", inp["dy"] if cfg["gather"] else ctx.shard(inp["dy"], -1))
+    dy = inp["dy"] if cfg["gather"] else ctx.shard(inp["dy"], -1)
     ctx.backward(y, dy)
     out = {"y": y, "dx": x.grad, "dW": ctx.grad(layer, "weight")}
     if "b" in inp:
@@ -44,7 +47,7 @@ def run_row(mod, cfg, inp, ctx):
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
-    ctx.backward(y, ctx.hand("dy", inp["dy"]))
+    ctx.backward(y, inp["dy"])
     out = {"y": y, "dx": x.grad, "dW": ctx.grad(layer, "weight")}
     if "b" in inp:
         out["db"] = ctx.grad(layer, "bias")
@@ -62,6 +65,6 @@ def run_mlp(mod, cfg, inp, ctx):
     ctx.phase("forward")
     y = fc2(torch.nn.functional.gelu(fc1(x)))
     ctx.phase("backward")
-    ctx.backward(y, ctx.hand("dy", inp["dy"]))
+    ctx.backward(y, inp["dy"])
     return {"y": y, "dx": x.grad, "dW1": ctx.grad(fc1, "weight"), "db1": ctx.grad(fc1, "bias"),
             "dW2": ctx.grad(fc2, "weight"), "db2": ctx.grad(fc2, "bias")}

@@ -2,7 +2,7 @@
 shard it with the student's TPAttention.from_dense (or TPDecoderLayer.from_dense) on the case's group,
 run forward and backward on the full, replicated input and return the output, the input grad and this
 rank's weight grads (their shard of each sharded weight, the whole grad of each replicated norm). Every
-tensor handed to the student's code (the dense module's parameters, the input, the upstream grad) goes
+tensor handed to the student's code (the dense module's parameters, the input) goes
 through ctx.hand: the rank entry fails the item if the code wrote into one of them."""
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _run(kind, mod, cfg, inp, ctx):
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
-    y.backward(ctx.hand("dy", inp["dy"]))
+    y.backward(inp["dy"])
     return {"y": y, "dx": x.grad, **_grads(layer, ATTN_PARAMS if kind == "attention" else BLOCK_PARAMS)}
 
 

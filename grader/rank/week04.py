@@ -45,7 +45,7 @@ def run_embedding(mod, cfg, inp, ctx):
     ctx.phase("forward")
     y = emb(ctx.hand("input_ids", inp["ids"].clone()))
     ctx.phase("backward")
-    y.backward(ctx.hand("dy", inp["dy"]))
+    y.backward(inp["dy"])
     w = getattr(emb, "weight", None)
     return {"y": y, "dW": emb.weight.grad, WEIGHT_SHARD: w.detach() if isinstance(w, torch.Tensor) else None}
 

@@ -3,7 +3,7 @@ block (and the per-rank summands) forward and backward; or build the dense Decod
 weight seed, shard it with SPDecoderLayer.from_dense, feed it this rank's block of positions (cut by the
 student's pad_and_split when T is not divisible by t) and return the output block, its input grad, this
 rank's weight-grad shards and the replicated norm-weight grads. Every tensor handed to the student's code
-(inputs, upstream grads, the dense layer's parameters) goes through ctx.hand: the rank entry fails the item
+(inputs, the dense layer's parameters) goes through ctx.hand: the rank entry fails the item
 if the code wrote into one of them. The dense layer and the pad rule live here, and the trusted side
 imports them."""
 from __future__ import annotations
@@ -36,8 +36,8 @@ def run_sequence_ops(mod, cfg, inp, ctx):
     y_gather = mod.GatherFromSequence.apply(x, ctx.group)
     y_rs = mod.ReduceScatterToSequence.apply(xr, ctx.group)
     ctx.phase("backward")
-    y_gather.backward(ctx.hand("grad (GatherFromSequence.backward)", inp["dys"][r]))
-    y_rs.backward(ctx.hand("grad (ReduceScatterToSequence.backward)", ctx.shard(inp["dy"], 1)))
+    y_gather.backward(inp["dys"][r])
+    y_rs.backward(ctx.shard(inp["dy"], 1))
     return {"y_gather": y_gather, "dx_gather": x.grad, "y_reduce_scatter": y_rs, "dx_reduce_scatter": xr.grad}
 
 
@@ -58,7 +58,7 @@ def run_block(mod, cfg, inp, ctx):
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
-    y.backward(ctx.hand("dy", dy))
+    y.backward(dy)
     params = dict(layer.named_parameters())
     out.update({"y": y, "dx": x.grad})
     for name in COLUMN + ROW + NORMS:

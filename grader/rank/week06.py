@@ -85,5 +85,5 @@ def run_linear(mod, cfg, inp, ctx):
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
-    y.backward(ctx.hand("dy", ctx.shard(inp["dy"], 2) if column else ctx.shard(inp["dy"], 1)))
+    y.backward(ctx.shard(inp["dy"], 2) if column else ctx.shard(inp["dy"], 1))
     return {"y": y, "dx": x.grad, "dW": layer.weight.grad}

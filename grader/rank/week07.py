@@ -109,7 +109,7 @@ def run_plan(mod, cfg, inp, ctx):
                 y = model(x)
                 y = y.to_local() if isinstance(y, DTensor) else y           # (B, T/t, C)
                 ctx.phase("backward")
-                y.backward(ctx.hand("dy", ctx.shard(inp["dy"], 1)))
+                y.backward(ctx.shard(inp["dy"], 1))
                 out = {"y": y, "dx": x.grad}
             else:
                 ids, labels = ctx.hand("input_ids", inp["input_ids"]), ctx.hand("labels", inp["labels"])

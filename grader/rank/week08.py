@@ -93,7 +93,7 @@ def run_chain(mod, cfg, inp, ctx):
     chain = mod.GTPChain.from_dense(weights, group=ctx.group)
     ctx.record_params(chain)
     x = ctx.hand("x", ctx.shard(inp["x"], 0)).requires_grad_(True)    # this rank's micro-batch
-    dy = ctx.hand("dy", ctx.shard(inp["dy"], 0))
+    dy = ctx.shard(inp["dy"], 0)
     watch = GatherWatch()
     order = _prefetch_order(ctx.ledger)
     with watch, order, watch.saved_hooks():
