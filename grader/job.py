@@ -141,19 +141,24 @@ def _missing_reason(job_rank: int, item: dict, run, progress: dict, finished_by:
     here = progress.get(job_rank) or {}
     others = f"; {rank_list(r % t for r in finished_by)} had finished it" if finished_by else ""
     inside = here.get("item") == item["id"] and here.get("where") in ("inside", "waiting")
+    phase = here.get("phase") or "setup"
     if here.get("item") == item["id"]:
         if inside:
-            where = f"in {here.get('op')} #{here.get('index')} ({here.get('phase')})"
-        elif here.get("phase") == "import":
-            where = "while importing your module"
+            where, was = f"in {here.get('op')} #{here.get('index')} ({phase})", "was still"
+        elif phase == "import":
+            where, was = "while importing your module", "was still importing your module"
         else:
-            where = f"while running your code in {here.get('phase')} (not in a collective)"
+            where = f"while running your code in {phase} (not in a collective)"
+            was = f"was still running your code in {phase} (not in a collective)"
     elif here.get("item"):
         where = f"before reaching this check (it was still in {here.get('item')})"
+        was = f"never reached this check (it was still in {here.get('item')})"
     else:
-        where = "before starting this check"
+        where, was = "before starting this check", "never started this check"
     if run is not None and run.timed_out:
-        return (f"rank {label}: still {where} when the launch was stopped at its {run.seconds:.0f} s wall clock"
+        if was == "was still":
+            was = f"was still {where}"
+        return (f"rank {label}: {was} when the launch was stopped at its {run.seconds:.0f} s wall clock"
                 f"{others}. A rank that skips or adds a collective, or loops forever, hangs the others.")
     order = run.order if run is not None else []
     first = order[0] if order else None
@@ -220,6 +225,8 @@ def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
         data = f.read()
     if run is not None:     # every launcher relays what each rank declared it wrote
         want = run.declared.get(rank, "")
+        if not want and run.timed_out:
+            return {}, None         # stopped before it could be relayed: unverified, not forged (a hang)
         if want.split(" ")[-1] != hashlib.sha256(data).hexdigest():
             return {}, (f"rank {rank}'s result file was written or changed by another process, not by rank {rank} "
                         "itself: forged results are ignored.")

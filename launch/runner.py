@@ -193,6 +193,9 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
     full_env = dict(os.environ if base_env is None else base_env)
     full_env.update(rank_env(backend, pg_timeout))
     full_env["COURSE_JOB_ID"] = job_id
+    # the fork/warm launcher stops itself at this moment (CLOCK_MONOTONIC is one clock for the whole machine),
+    # a little before this process would, so that it can still relay what the ranks declared
+    full_env["COURSE_DEADLINE"] = str(time.monotonic() + max(1.0, timeout - 2.0))
     full_env.update(env or {})
     py = [sys.executable]
     if launcher == "fork":
@@ -302,6 +305,14 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
         proc.wait()
     _killpg(proc.pid, signal.SIGKILL)  # ranks the launcher left behind
     leftovers = kill_job_processes(job_id)
+    if timed_out:   # what the launcher said on its way out (the ranks' declarations)
+        try:
+            rest = proc.stdout.read() or b""
+        except (BlockingIOError, OSError, ValueError):
+            rest = b""
+        for raw in rest.split(b"\n"):
+            if raw:
+                emit(raw)
     sel.close()
     proc.stdout.close()
     seconds = time.monotonic() - t0
@@ -314,6 +325,7 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
         exitcodes = {int(k): v for k, v in status["exitcodes"].items()}
         first = status["first_failure"]
         order = [int(r) for r in status.get("order", [])]
+        timed_out = timed_out or bool(status.get("timed_out"))
     elif launcher == "torchrun":
         exitcodes = {r: 0 for r in range(nproc)} if proc.returncode == 0 else {}
         text = "\n".join(lines)

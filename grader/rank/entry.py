@@ -142,6 +142,9 @@ def main(attempt: str) -> int:
         item_timeout = int(item.get("timeout", spec.get("item_timeout", 15)))
 
         def too_slow(signum, frame, item_timeout=item_timeout, ledger=ledger):
+            if watch.waiting_on:   # a victim, not the culprit: the peer it waits for is elsewhere
+                raise GradingError(f"still waiting in {watch.waiting_on} after {item_timeout} s: a peer never "
+                                   "joined it (the other ranks' messages say where they were).")
             raise GradingError(f"still running your code in {ledger.phase} after {item_timeout} s (not inside a "
                                "collective): an endless loop, a sleep, or far too much work?")
         signal.signal(signal.SIGALRM, too_slow)

@@ -51,6 +51,7 @@ class Watch:
         self.item = None
         self.ranks: list[int] = []
         self.ledger = None
+        self.waiting_on: str | None = None      # "all_reduce #2 (forward)" while blocked in a wait
         work = torch._C._distributed_c10d.Work
         self._orig = work.wait
         watch = self
@@ -97,6 +98,7 @@ class Watch:
             op, index = (entries[-1].get("op"), entries[-1].get("index")) if entries else ("a collective", "?")
         self._write({"item": self.item, "where": "waiting", "op": op, "index": index,
                      "phase": getattr(self.ledger, "phase", "?")})
+        self.waiting_on = f"{op} #{index} ({getattr(self.ledger, 'phase', '?')})"
         try:
             if int(work._get_op_type()) not in _POLLABLE:
                 return self._wait_blocking(work)
@@ -106,6 +108,8 @@ class Watch:
             self.verdict = str(d)
             self._write({"item": self.item, "where": "deadlock", "message": self.verdict})
             raise
+        finally:
+            self.waiting_on = None
         self._write({"item": self.item, "where": "between collectives", "phase": getattr(self.ledger, "phase", "?")})
         return self._orig(work)
 
