@@ -80,7 +80,7 @@ def class_autograde(n: int, jobs: int) -> str:
     from grader.class_autograde import autograde_class, summary
     from grader.demo import CLASS, WEEK, submission
     from grader.nbgrader_tools import scratch_course
-    from grader.class_autograde import course_api
+    from grader.nbgrader_tools import course_api
     course = scratch_course([WEEK])
     try:
         result = course_api(course).generate_assignment(WEEK, force=True)

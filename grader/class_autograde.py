@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+
+from grader.nbgrader_tools import CONFIG, course_api
 import statistics
 import sys
 import tempfile
 import time
 
-CONFIG = "nbgrader_config.py"
 
 
 def students_with_submissions(course: str, week: str) -> list[str]:
@@ -24,20 +25,6 @@ def students_with_submissions(course: str, week: str) -> list[str]:
     if not os.path.isdir(d):
         return []
     return sorted(s for s in os.listdir(d) if os.path.isdir(os.path.join(d, s, week)))
-
-
-def course_api(course: str, db: str | None = None):
-    """nbgrader's API on `course`, configured by the course's nbgrader_config.py (gradebook `db` if given)."""
-    from nbgrader.apps.api import NbGraderAPI
-    from nbgrader.coursedir import CourseDirectory
-    from traitlets.config.loader import PyFileConfigLoader
-    from grader.gradebooks import alembic_on_path
-    alembic_on_path()
-    config = PyFileConfigLoader(CONFIG, path=course).load_config()
-    config.CourseDirectory.root = course
-    if db:
-        config.CourseDirectory.db_url = f"sqlite:///{os.path.abspath(db)}"
-    return NbGraderAPI(coursedir=CourseDirectory(config=config), config=config)
 
 
 def add_students(db: str, students: list[str]):

@@ -14,7 +14,7 @@ import time
 
 from nbgrader.plugins.export import CsvExportPlugin
 
-from grader.class_autograde import course_api
+from grader.nbgrader_tools import course_api
 from grader.gradebooks import gradebook
 from grader.nbgrader_tools import autograde, scratch_course
 from tests.corpus import build, load_manifest

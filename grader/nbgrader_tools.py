@@ -15,6 +15,8 @@ from grader.notebook import module_sources
 
 from grader import ROOT
 
+CONFIG = "nbgrader_config.py"
+
 
 def weeks(root: str = ROOT) -> list[str]:
     d = os.path.join(root, "solutions")
@@ -31,6 +33,20 @@ def nbgrader(args: list[str], course: str, check: bool = True) -> subprocess.Com
     if check and p.returncode != 0:
         raise RuntimeError(f"nbgrader {' '.join(args)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
+
+
+def course_api(course: str, db: str | None = None):
+    """nbgrader's API on `course`, configured by the course's nbgrader_config.py (gradebook `db` if given)."""
+    from nbgrader.apps.api import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+    from traitlets.config.loader import PyFileConfigLoader
+    from grader.gradebooks import alembic_on_path
+    alembic_on_path()
+    config = PyFileConfigLoader(CONFIG, path=course).load_config()
+    config.CourseDirectory.root = course
+    if db:
+        config.CourseDirectory.db_url = f"sqlite:///{os.path.abspath(db)}"
+    return NbGraderAPI(coursedir=CourseDirectory(config=config), config=config)
 
 
 def scratch_course(week_list: list[str] | None = None) -> str:
@@ -55,8 +71,11 @@ def release(week_list: list[str] | None = None, dest: str | None = None) -> list
     course = scratch_course(week_list)
     written = []
     try:
+        api = course_api(course)          # in this process: one nbgrader start for every week
         for w in week_list:
-            nbgrader(["generate_assignment", w, "--force"], course)
+            result = api.generate_assignment(w, force=True)
+            if not result["success"]:
+                raise RuntimeError(f"nbgrader generate_assignment {w} failed:\n{result.get('error') or result.get('log')}")
             out = os.path.join(dest, w)
             shutil.rmtree(out, ignore_errors=True)
             shutil.copytree(os.path.join(course, "labs", w), out)
