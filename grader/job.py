@@ -50,14 +50,6 @@ class CaseVerdict:
     passed: bool
     items: list[ItemVerdict] = field(default_factory=list)
 
-    @property
-    def problems(self) -> list[str]:
-        out = []
-        for it in self.items:
-            for p in it.problems:
-                out.append(f"[t={it.t}] {p}")
-        return out
-
     def message(self, limit: int = 6) -> str:
         """Problems, each said once: "[t=2, 4] all ranks: ..." rather than eight copies."""
         groups: dict[str, list[tuple[int, str]]] = {}

@@ -124,11 +124,3 @@ def build(week: str, spec: dict, course: str | None = None):
     for cell in nb.cells:
         cell.source = expand(cell_source(cell), course)
     return nb
-
-
-def solution_submission(week: str):
-    return build(week, {"base": "solution"})
-
-
-def stub_submission(week: str):
-    return build(week, {})
