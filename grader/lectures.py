@@ -45,16 +45,34 @@ def machine_traces(nb: dict) -> list[str]:
 
 
 def execute_lecture(path: str, out: str | None = None, timeout: int = 600) -> float:
+    """Run `path` headless into `out` (default: in place). In place, a failed run leaves the notebook as it was."""
     import papermill as pm
     t0 = time.monotonic()
-    pm.execute_notebook(path, out or path, cwd=os.path.dirname(path), kernel_name="python3",
-                        progress_bar=False, execution_timeout=timeout)
-    clean_metadata(out or path)
+    target = out or path
+    tmp = target if out else os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.running.ipynb")
+    try:
+        pm.execute_notebook(path, tmp, cwd=os.path.dirname(path), kernel_name="python3",
+                            progress_bar=False, execution_timeout=timeout)
+        clean_metadata(tmp)
+        if tmp != target:
+            os.replace(tmp, target)
+    finally:
+        if tmp != target and os.path.exists(tmp):
+            os.unlink(tmp)
     return time.monotonic() - t0
 
 
 def execute_lectures(paths: list[str] | None = None) -> int:
+    """Execute each lecture in place; report every failure, keep the committed version of a failed one."""
+    import papermill as pm
+    failed = []
     for p in paths or lecture_paths():
-        s = execute_lecture(os.path.abspath(p))
-        print(f"executed {os.path.relpath(p, ROOT)} in {s:.0f} s", flush=True)
-    return 0
+        rel = os.path.relpath(os.path.abspath(p), ROOT)
+        try:
+            s = execute_lecture(os.path.abspath(p))
+        except pm.PapermillExecutionError as e:
+            failed.append(rel)
+            print(f"FAILED {rel} (left unchanged): cell {e.exec_count}: {e.ename}: {e.evalue}", flush=True)
+            continue
+        print(f"executed {rel} in {s:.0f} s", flush=True)
+    return 1 if failed else 0
