@@ -7,6 +7,8 @@
   must match the single-device model; only send/recv; stage s sends one activation per
   micro-batch forward (s < t-1) and one input grad per micro-batch back (s > 0).
 - planner: memory_per_gpu / step_time / plan against tpkit.topology on analytic scenarios.
+- zb_h1: the student's zb_h1(p, m) executed by tpkit.pipeline.simulate with several (t_f, t_b, t_w): no idle
+  time beyond (p-1)(t_f + t_b - t_w) per stage, at most p micro-batches in flight.
 
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  Task 1 (schedule):
@@ -46,8 +48,15 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 24. None if nothing fits -> too_big, 40_gpus: `plan (tp, pp, dp); 0 = None`
 25. a Plan(tp, pp, dp, m, memory, {"step": seconds}) -> `plan memory GB`, `plan step time s`, `plan m
     (micro-batches per pipeline)` (m new; fixture planner_m_without_micro_batch)
-25 rules stated; 15 checked before this issue (4, 8, 11, 18-21 and 23 were not; 5 and 25 only in part: the
-1F1B peak but not its order, the plan but not its m), 25 checked now.
+ Task 4 (zero bubble, ZB-H1; checked as properties, so any order with them passes):
+26. one list per stage of ("F", mb), ("B", mb) and ("W", mb) -> `splits the backward into B and W actions`
+27. W(mb) after the stage's own B(mb); F and B as in task 1 -> `stuck at (stage, position)`
+28. every F, B and W exactly once -> `runs each F(mb), B(mb) and W(mb) once`
+29. with t_b >= t_w, every stage idles at most (p-1)(t_f + t_b - t_w) -> `idle time per stage beyond ZB-H1's ...`
+    for two cost sets (three hidden) (fixture zb_w_right_after_b)
+30. at most p micro-batches in flight (F until W) on any stage -> `micro-batches in flight per stage beyond p`
+    (fixture zb_all_w_at_the_end)
+30 rules stated, 30 checked.
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> ctx.hand on the
 micro-batches and targets handed to run_pipeline (new).
 """
@@ -59,20 +68,25 @@ from grader.case import Case, Contract, register
 from grader.rank.week09 import (
     BUBBLE,
     BYTES,
+    EXTRA_IDLE,
+    EXTRA_PEAK,
     GRADS,
     NONE_ELSEWHERE,
     ONCE,
+    ONCE_FBW,
     ORDER,
     OTHER,
     PEAK,
     RUN_ORDER,
     SCENARIOS,
     SCENARIOS_HIDDEN,
+    SPLIT,
     STUCK,
     build_model,
     encode_actions,
     loss_fn,
     planner_tensors,
+    zb_h1_metrics,
 )
 from reference import planner, schedules
 from tpkit import pipeline as pl
@@ -227,3 +241,45 @@ for name, scenarios in [("planner", SCENARIOS), ("planner_hidden", SCENARIOS_HID
                   run_rank="run_planner", expected=lambda cfg, ref, r, t: ref,
                   contract=lambda cfg, t: Contract(allowed_ops=set()), seed=0, hidden=name.endswith("hidden"),
                   title="3-D topology planner", hints=_planner_hints(scenarios)))
+
+
+# -- task 4: zero bubble (ZB-H1) -------------------------------------------------------
+def _zb_ref(cfg, inputs):
+    out = {}
+    for p, m in cfg["shapes"]:
+        out.update(zb_h1_metrics(schedules.zb_h1(p, m), p, m, cfg["costs"]))
+    return out
+
+
+def _zb_hints(cfg):
+    h = {}
+    for p, m in cfg["shapes"]:
+        for t_f, t_b, t_w in cfg["costs"]:
+            key = f"zb_h1(p={p},m={m}) t_f,t_b,t_w={t_f:g},{t_b:g},{t_w:g}: "
+            h[key + STUCK] = ("(stage, position) of the first action that can never run. W(mb) on stage s needs B(mb) on "
+                              "the same stage; B(mb) needs F(mb) on s and B(mb) on s+1. "
+                              "tpkit.pipeline.simulate(zb_h1(p, m), t_f=1, t_b=1, t_w=1).problems names it.")
+            h[key + SPLIT] = ("A ZB-H1 schedule has ('W', mb) actions: B is the input gradient only, and W, the weight "
+                              "gradient, is a separate action that nobody waits for.")
+            h[key + ONCE_FBW] = "Every stage must run ('F', mb), ('B', mb) and ('W', mb) exactly once for mb in 0..m-1."
+            h[key + EXTRA_IDLE] = (
+                f"Executed with these costs, every stage may idle at most (p-1)(t_f + t_b - t_w) = "
+                f"{(p - 1) * (t_f + t_b - t_w):g} units; the tensor is the idle time beyond that per stage. "
+                "Running each W right after its B keeps 1F1B's bubble (p-1)(t_f + t_b + t_w): stage s must defer "
+                "s of its W's and run them in the cool-down, where it would otherwise wait for gradients.")
+            h[key + EXTRA_PEAK] = (
+                "A micro-batch stays in flight from its F until its W. ZB-H1 keeps 1F1B's peak memory: at most p "
+                "micro-batches on any stage (stage 0 of 1F1B holds p). Deferring more W's, or running more warm-up "
+                "forwards, holds more.")
+    return h
+
+
+ZB_COSTS = [(1, 1, 1), (1, 2, 1)]
+ZB_COSTS_HIDDEN = [(1, 1, 1), (2, 2, 1), (1, 1.5, 0.5)]
+for name, cfg in [("zb_h1", {"shapes": [(4, 8), (2, 4), (3, 6)], "costs": ZB_COSTS}),
+                  ("zb_h1_hidden", {"shapes": [(5, 10), (4, 4), (6, 7), (1, 3)], "costs": ZB_COSTS_HIDDEN})]:
+    register(Case(name=f"week09/{name}", module=MODULE, world_sizes=(2,), config=cfg,
+                  make_inputs=lambda cfg, gen: {"unused": torch.zeros(1)}, reference=_zb_ref,
+                  run_rank="run_zb_h1", expected=lambda cfg, ref, r, t: ref,
+                  contract=lambda cfg, t: Contract(allowed_ops=set()), seed=0, hidden=name.endswith("hidden"),
+                  title="zero-bubble ZB-H1 schedule", hints=_zb_hints(cfg)))

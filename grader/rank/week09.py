@@ -188,3 +188,39 @@ def planner_tensors(fns, scenario_names):
 
 def run_planner(mod, cfg, inp, ctx):
     return planner_tensors((mod.memory_per_gpu, mod.step_time, mod.plan), cfg["scenarios"])
+
+
+# -- task 4: zero bubble (ZB-H1) ---------------------------------------------------------
+SPLIT = "splits the backward into B and W actions (1 = yes)"
+ONCE_FBW = "runs each F(mb), B(mb) and W(mb) once on every stage (1 = yes)"
+EXTRA_IDLE = "idle time per stage beyond ZB-H1's (p-1)(t_f + t_b - t_w)"
+EXTRA_PEAK = "micro-batches in flight per stage beyond p (1F1B's peak)"
+
+
+def zb_h1_metrics(sched, p: int, m: int, costs) -> dict:
+    """What a ZB-H1 schedule must show, as tensors that are zero (or one) when it does: properties, not one
+    particular order, so every schedule with ZB-H1's bubble at 1F1B's peak memory passes."""
+    out = {}
+    for t_f, t_b, t_w in costs:
+        tl = pl.simulate(sched, m=m, t_f=t_f, t_b=t_b, t_w=t_w)
+        key = f"zb_h1(p={p},m={m}) t_f,t_b,t_w={t_f:g},{t_b:g},{t_w:g}: "
+        out[key + STUCK] = torch.tensor(list(tl.stuck[:2]) if tl.stuck else [-1, -1])
+        out[key + SPLIT] = torch.tensor(int(tl.split))
+        out[key + ONCE_FBW] = torch.tensor(int(not any("never" in q or "times" in q or "outside" in q
+                                                       for q in tl.problems)))
+        bound = (p - 1) * (t_f + t_b - t_w)
+        idle = torch.tensor(tl.idle if not tl.stuck else [math.nan] * p, dtype=torch.float64)
+        out[key + EXTRA_IDLE] = (idle - bound).clamp(min=0)
+        out[key + EXTRA_PEAK] = (torch.tensor(tl.peak_in_flight) - p).clamp(min=0)
+    return out
+
+
+def run_zb_h1(mod, cfg, inp, ctx):
+    out = {}
+    for p, m in cfg["shapes"]:
+        sched = mod.zb_h1(p, m)
+        if not isinstance(sched, (list, tuple)) or len(sched) != p:
+            raise TypeError(f"zb_h1(p={p}, m={m}) must return a list of {p} per-stage action lists; "
+                            f"got {type(sched).__name__} of length {len(sched) if hasattr(sched, '__len__') else '?'}")
+        out.update(zb_h1_metrics(sched, p, m, cfg["costs"]))
+    return out
