@@ -234,12 +234,16 @@ def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
 def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None = None,
                launcher: str | None = None, pg_timeout: float = PG_TIMEOUT, stream=None,
                wrap: tuple = (), keep: bool = False, fresh_seed: bool = True,
-               sandbox: str | None = None, interactive: bool = False) -> Report:
+               sandbox: str | None = None, interactive: bool = False,
+               graded_together: list[list[str]] | None = None) -> Report:
     """Run the named checks on the student's module `sources` ({filename: text}) and compare here.
 
     All items run in one launch. When a rank process dies (abort, segfault, os._exit, out of memory) or
     the launch hits its wall clock, the item it died in is judged and the items after it run again in
     fresh ranks: one failure costs one check, never an unrelated, correct one.
+    graded_together: groups of checks that score together (one grade cell). A relaunch skips the items of
+    a group that has already failed: their points are lost whatever they do, and a submission that hangs
+    at t = 2 would hang again at t = 3 and 4, each costing a deadlock's detection and a fresh launch.
     sandbox: "auto" (bubblewrap + limits where available), "on" (fail without it) or "off";
     default: GRADER_SANDBOX, else "auto".
     """
@@ -270,12 +274,17 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
         budget = job_wall_clock(len(items), pg_timeout, max(it["timeout"] for it in items))
         while pending:
             run, box, results, judged = _attempt(jobdir, len(runs), pending, backend, launcher, mode, pg_timeout,
-                                                 stream, wrap, interactive)
+                                                 stream, wrap, interactive, graded_together)
             runs.append(run)
             boxes.append(box)
             for it in judged:
                 verdicts[it["id"]] = _judge(it, refs[it["id"]], results, run)
             left = [it for it in pending if it["id"] not in verdicts]
+            failed_cases = {verdicts[i["id"]].case for i in items if i["id"] in verdicts
+                            and not verdicts[i["id"]].passed}
+            for it in [it for it in left if _group_failed(it["case"], failed_cases, graded_together)]:
+                verdicts[it["id"]] = _skipped(it, failed_cases, graded_together)
+                left.remove(it)
             if left and time.monotonic() - t0 > budget:
                 for it in left:      # out of time: judge them with what this launch left
                     verdicts[it["id"]] = _judge(it, refs[it["id"]], results, run)
@@ -293,7 +302,25 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
             shutil.rmtree(jobdir, ignore_errors=True)
 
 
-def _attempt(jobdir, k, items, backend, launcher, mode, pg_timeout, stream, wrap, interactive):
+def _group_of(case: str, graded_together: list[list[str]] | None) -> list[str]:
+    return next((g for g in graded_together or [] if case in g), [case])
+
+
+def _group_failed(case: str, failed_cases: set[str], graded_together) -> bool:
+    return any(c in failed_cases for c in _group_of(case, graded_together))
+
+
+def _skipped(item: dict, failed_cases: set[str], graded_together) -> ItemVerdict:
+    """An item not run because a check scored with it had failed (its points are lost either way)."""
+    failed = sorted(c for c in _group_of(item["case"], graded_together) if c in failed_cases) or sorted(failed_cases)
+    same = failed[0] == item["case"]
+    return ItemVerdict(item_id=item["id"], case=item["case"], t=item["t"], passed=False, problems=[
+        f"not run: " + ("this check had already failed at a smaller size" if same else
+                        f"`{failed[0]}`, scored together with this check, had already failed")
+        + ": its points are lost either way, so the grader did not spend another hang or crash on it."])
+
+
+def _attempt(jobdir, k, items, backend, launcher, mode, pg_timeout, stream, wrap, interactive, graded_together):
     """One launch of `items` in fresh ranks. Returns (run, box, results, the items it can judge)."""
     from launch import run as launch_run
     from grader import ROOT
@@ -304,6 +331,7 @@ def _attempt(jobdir, k, items, backend, launcher, mode, pg_timeout, stream, wrap
     os.makedirs(outdir)
     with open(os.path.join(here, "spec.json"), "w") as f:
         json.dump({"items": items, "pg_timeout": pg_timeout, "item_timeout": ITEM_TIMEOUT,
+                   "graded_together": graded_together or [],
                    "inputs": os.path.join(jobdir, "inputs.pt"), "student": os.path.join(jobdir, "student")}, f)
     box = Sandbox(readable=[jobdir], writable=[outdir], chdir=outdir, setpriv=launcher == "torchrun", mode=mode)
     with box:
@@ -358,6 +386,9 @@ def _judge(it: dict, ref: dict, results: dict, run) -> ItemVerdict:
     case = get_case(it["case"])
     part = _participants(it, results["world"])
     res = {r: _result(results, r, it) for r in part}
+    skipped = {x.get("skipped") for x in res.values() if x is not None and x.get("skipped")}
+    if skipped and all(x is not None and x.get("skipped") for x in res.values()):
+        return _skipped(it, skipped, None)
     finished = [r for r in part if res[r] is not None and not res[r].get("error")]
     reasons = {r: results["untrusted"].get(r) or _missing_reason(r, it, run, results["progress"], finished)
                for r in part if res[r] is None}

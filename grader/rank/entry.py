@@ -112,6 +112,8 @@ def main(attempt: str) -> int:
         except BaseException as exc:   # noqa: BLE001  (SystemExit at import is the student's too)
             modules[name] = exc
     failed_last = False
+    failed_cases: set[str] = set()      # checks in which some rank raised, hung or was judged deadlocked
+    together = {c: g for g in spec.get("graded_together", []) for c in g}
     for n, item in enumerate(spec["items"]):
         if n:
             # every rank meets here, so a rank that failed fast waits for peers still timing out
@@ -122,6 +124,7 @@ def main(attempt: str) -> int:
             except Exception:  # a peer process died: go on, its items will say so
                 pass
             if flag.item() > 0:
+                failed_cases.add(spec["items"][n - 1]["case"])
                 last_t = spec["items"][n - 1]["t"]
                 try:
                     groups[last_t] = make_groups(last_t)
@@ -130,6 +133,12 @@ def main(attempt: str) -> int:
         failed_last = False
         plan = groups[item["t"]]
         if plan is None:      # this rank sits the item out (e.g. t=3 on a 4-rank job)
+            continue
+        # a rank failed in a check graded with this one: its points are lost, and a hang would cost a timeout again
+        failed_with = next((c for c in together.get(item["case"], [item["case"]]) if c in failed_cases), None)
+        if failed_with:
+            results[item["id"]] = {"group": plan[1], "skipped": failed_with}
+            _save(out_path, results)
             continue
         group, ranks = plan
         ledger = CommLedger(group_size=item["t"], progress_file=progress, label=item["id"])
