@@ -9,19 +9,25 @@ os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "serial: timed; `make test` runs these alone, after the parallel pass")
+
+
+_CORPUS_ROWS = []
+
+
+def pytest_runtest_logreport(report):
+    """Rows of the bad-submission corpus, recorded by tests/test_labs.py (from xdist workers too)."""
+    if report.when == "call":
+        _CORPUS_ROWS.extend(v for k, v in report.user_properties if k == "corpus_row")
+
+
 def pytest_terminal_summary(terminalreporter):
     """The bad-submission corpus as a table: case, verdict, seconds, leftover processes."""
-    try:
-        from tests.test_labs import CORPUS_ROWS
-    except Exception:
-        try:
-            from test_labs import CORPUS_ROWS
-        except Exception:
-            return
-    if not CORPUS_ROWS:
+    if not _CORPUS_ROWS:
         return
     tr = terminalreporter
     tr.write_sep("=", "bad-submission corpus")
     tr.write_line(f"{'case':<34} {'seconds':>7} {'left':>4}  verdict per grade cell")
-    for case, verdict, secs, left in CORPUS_ROWS:
+    for case, verdict, secs, left in sorted(_CORPUS_ROWS):
         tr.write_line(f"{case:<34} {secs:>7.1f} {left:>4}  {verdict}")

@@ -29,7 +29,8 @@ from grader.notebook import _WRITEFILE, cell_source, module_sources
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 # a private file of the grading user's, as an instructor's token would be: no student code may read it
-PLANTED = os.path.join(os.path.expanduser("~"), ".grader-corpus-secret")
+# (one per pytest-xdist worker: a worker's teardown must not remove the file another worker's test probes)
+PLANTED = os.path.join(os.path.expanduser("~"), ".grader-corpus-secret" + os.environ.get("PYTEST_XDIST_WORKER", ""))
 SECRET = "instructor-only-7f3a"
 
 

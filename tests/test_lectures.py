@@ -21,6 +21,7 @@ def test_lecture_is_committed_executed(path):
     assert all(c.get("execution_count") for c in code), "commit the notebook executed: make notebooks"
 
 
+@pytest.mark.serial          # timed cells: run alone (make test's second pass), never beside other tests
 @pytest.mark.parametrize("path", LECTURES, ids=[os.path.basename(p) for p in LECTURES])
 def test_lecture_executes(path):
     out = os.path.join(tempfile.mkdtemp(), os.path.basename(path))
