@@ -13,6 +13,11 @@ Operators (forward / backward):
     CopyToTP (f)            identity             / all-reduce        (plain TP; reference.tp_layers)
     ReduceFromTP (g)        all-reduce           / identity          (plain TP; reference.tp_layers)
     CopyToTP on a weight    identity             / all-reduce        (SP norm weights: each rank saw T/t tokens)
+    SplitToSequence         keep block r         / all-gather along T (enter SP from a replicated tensor)
+
+The model's edges (reference.sp_model): the vocab-parallel embedding's partial sums enter the sequence
+region through ReduceScatterToSequence, the final norm runs on T/t positions, and the LM head (column-parallel
+over the vocabulary) reads GatherFromSequence of it.
 
 `all_gather_single` / `reduce_scatter_single` (formerly `*_into_tensor`, `*_tensor`) work on dim 0, so the sequence dim is moved to the front.
 This module is the lecture's and the profile's; the week-5 lab asks students to write their own.
@@ -68,6 +73,26 @@ class ReduceScatterToSequence(torch.autograd.Function):
     def backward(ctx, g):
         # the partial sums all fed the same output: each rank needs the whole dY
         return all_gather_seq(g, ctx.group), None
+
+
+class SplitToSequence(torch.autograd.Function):
+    """Enter the sequence region from a REPLICATED tensor: keep block r, no communication.
+
+    Megatron-LM's `_ScatterToSequenceParallelRegion` (after the embedding's all-reduce when a learned
+    position embedding is added). Backward: what follows used only block r, but the replicated input fed
+    every rank's block, so the input's grad is the all-gather of the blocks' grads (a slice alone would keep
+    only this rank's positions).
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(t, dim=1)[r].contiguous()                          # (B, T/t, C)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_seq(g, ctx.group), None                         # (B, T, C)
 
 
 class GatherLinearSaveLocal(torch.autograd.Function):

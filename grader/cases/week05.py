@@ -5,6 +5,10 @@ Activations are (B, T, C); rank r holds positions r*T/t:(r+1)*T/t (torch.chunk a
 - sp_block: the dense DecoderLayer as a TP+SP block: 2 AG + 2 RS forward; backward the mirror image
   (each AG's backward is an RS and vice versa) + one all-reduce per replicated norm-weight grad.
   Outputs, input grads, weight-grad shards and the replicated norm grads (= the dense grads on EVERY rank).
+- sp_model: tpkit.models.ForCausalLM under TP+SP (lecture §8): the vocab-parallel embedding's partial lookups
+  reduce-scattered to sequence blocks, L SP layers, the final norm on the block (weight grad all-reduced), an
+  all-gather before the vocab-parallel LM head; logits (B, T, V/t) per rank, backward from a random dlogits.
+  One step: 2L+1 all-gathers and 2L+1 reduce-scatters of (B, T, C) each way, 2L+1 norm-grad all-reduces.
 - sp_block_uneven: T not divisible by t; the rule is "zero-pad at the end to a multiple of t". Causal
   attention means real positions never see the pad, and a zero dy on the pad rows leaves every gradient
   equal to the unpadded one; the reference is the dense layer run on the padded sequence.
@@ -29,7 +33,18 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 11. pad_and_split zero-pads the sequence at the end to a multiple of t and returns block r -> sp_block_uneven:
     `x_block`
 12. the layer runs on the padded T = 7 on 2 and 4 ranks -> sp_block_uneven: `y`, `dx`, every grad
-12 rules stated; 12 checked before this issue, 12 checked now.
+13. SPCausalLM keeps the dense names: embedding and lm_head rows r*V/t:(r+1)*V/t, the layers' shards, the final
+    norm whole -> sp_model: Contract.params, `dmodel.embed_tokens.weight`, `dlm_head.weight`, every layer grad
+14. the embedding's partial lookups are reduce-scattered along T (not all-reduced) -> sp_model: counts forward
+    {reduce_scatter: 2L+1} and no all_reduce, bytes_sent; `dmodel.embed_tokens.weight` (an all-reduce + plain slice
+    keeps only the grad of this rank's block of tokens; fixture embed_allreduce_slice)
+15. the layers are the SPDecoderLayers of task 2, on the sequence block -> sp_model: `logits`, every layer grad
+16. the final norm runs on the sequence block; its weight grad is all-reduced -> `dmodel.norm.weight`, counts
+    backward {all_reduce: 2L+1}
+17. all-gather along T before the LM head, whose backward reduce-scatters -> counts forward {all_gather: 2L+1},
+    backward {reduce_scatter: 2L+1}; every grad below the head (fixture head_gather_own_grad)
+18. forward returns this rank's logit columns for all T positions, (B, T, V/t) -> `logits`
+18 rules stated; 12 checked before this issue, 18 checked now.
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
 ctx.hand on the inputs and the dense layer's parameters (new; see grader/rank/week02.py on upstream grads).
 """
@@ -38,7 +53,17 @@ from __future__ import annotations
 import torch
 
 from grader.case import Case, Contract, register
-from grader.rank.week05 import COLUMN, NORMS, ROW, dense_layer, pad_seq
+from grader.rank.week05 import (
+    COLUMN,
+    NORMS,
+    ROW,
+    dense_layer,
+    dense_lm,
+    lm_config,
+    lm_shard_dim,
+    pad_seq,
+)
+from tpkit.models import ForCausalLM
 
 MODULE = "sp_block"
 SEQ_HINT = ("Rank r's block is positions r*T/t:(r+1)*T/t (torch.chunk along dim 1). all_gather_single and "
@@ -188,3 +213,81 @@ register(Case(name="week05/divisibility", module=MODULE, world_sizes=(2, 4), con
                                       "(a kv head cannot be split across ranks).",
                      DIVISIBILITY[1]: "The task: raise ValueError in from_dense when intermediate_size % t != 0 "
                                       "(gate/up rows and down columns must split evenly)."}))
+
+
+# -- the whole model: the edges (lecture §8) -----------------------------------------------------
+def _model_inputs(cfg, gen):
+    B, T, V = cfg["B"], cfg["T"], cfg["V"]
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    ids[0, 0], ids[-1, -1] = 0, V - 1                    # the first and the last vocabulary row, always
+    return {"ids": ids, "dy": torch.randn(B, T, V, generator=gen),
+            "wseed": torch.randint(0, 2**31 - 1, (1,), generator=gen)}
+
+
+def _model_reference(cfg, d):
+    model = dense_lm(cfg, d)
+    logits = model(d["ids"])                             # (B, T, V)
+    logits.backward(d["dy"])
+    return {"logits": logits.detach(), **{f"d{n}": p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def _model_expected(cfg, ref, r, t):
+    out = {"logits": _shard(ref["logits"], r, t, -1)}    # this rank's vocab columns, every position
+    for key, g in ref.items():
+        if key != "logits":
+            dim = lm_shard_dim(key[1:])
+            out[key] = g if dim is None else _shard(g, r, t, dim)
+    return out
+
+
+def _model_contract(cfg, t):
+    B, T, C, k = cfg["B"], cfg["T"], cfg["C"], 2 * cfg["L"] + 1
+    n = B * T * C * 4                                    # one (B, T, C) float32 activation, bytes
+    ring = (t - 1) / t
+    params = {}
+    for name, p in ForCausalLM(lm_config(cfg)).named_parameters():
+        shape, dim = list(p.shape), lm_shard_dim(name)
+        if dim is not None:
+            shape[dim] //= t
+        params[name] = tuple(shape)
+    return Contract(
+        counts={"forward": {"all_gather": k, "reduce_scatter": k},
+                "backward": {"all_gather": k, "reduce_scatter": k, "all_reduce": k}},
+        bytes_sent={"forward": 2 * k * ring * n, "backward": 2 * k * ring * n + k * 2 * ring * C * 4},
+        params=params,
+        why={"forward": f"{k} reduce-scatters: the embedding's partial lookups into sequence blocks (an all-reduce "
+                        "sends twice the bytes and leaves every position on every rank), then 1 per row-parallel "
+                        f"GEMM; {k} all-gathers: 1 per column-parallel group and 1 before the LM head.",
+             "backward": "each forward reduce-scatter's backward is an all-gather and each all-gather's a "
+                         f"reduce-scatter ({k} + {k}), plus one all-reduce of each replicated norm-weight grad "
+                         f"(2 per layer and the final norm: {k})."})
+
+
+MODEL_HINTS = {
+    "logits": "forward returns this rank's logit columns for ALL T positions, (B, T, V/t): all-gather the normed "
+              "(B, T/t, C) along T before lm_head (GatherFromSequence). " + SEQ_HINT,
+    "dmodel.embed_tokens.weight": "Rank r's embedding grad is rows r*V/t:(r+1)*V/t of the dense grad, from the tokens "
+                                  "at ALL positions: reduce-scatter the partial lookups (its backward all-gathers dY). "
+                                  "An all-reduce followed by a plain slice keeps only your own block's tokens.",
+    "dlm_head.weight": "Rank r's lm_head grad is rows r*V/t:(r+1)*V/t of the dense grad: its input must be the "
+                       "gathered (B, T, C), every position.",
+    "dmodel.norm.weight": "The final norm weight is replicated and saw T/t positions per rank: all-reduce (sum) "
+                          "its grad over the group during backward, as for the layers' norms.",
+}
+_BELOW_HEAD = (" If this and the other grads below the head are off while `logits` and `dlm_head.weight` match, "
+               "the gather before the head has the wrong backward: it must reduce-scatter (sum over ranks) the "
+               "head's input grad, as GatherFromSequence does.")
+for _L in range(2):
+    for _n in NORMS:
+        MODEL_HINTS[f"dmodel.layers.{_L}.{_n}.weight"] = HINTS[f"d{_n}"] + _BELOW_HEAD
+    for _n in COLUMN + ROW:
+        MODEL_HINTS[f"dmodel.layers.{_L}.{_n}.weight"] = HINTS[f"d{_n.split('.')[-1]}"] + _BELOW_HEAD
+for _n in ("dmodel.norm.weight", "dmodel.embed_tokens.weight"):
+    MODEL_HINTS[_n] += _BELOW_HEAD
+
+for name, cfg, seed in [
+        ("sp_model", {"B": 2, "T": 8, "V": 64, "C": 32, "F": 64, "nh": 8, "nkv": 4, "L": 2}, 8),
+        ("sp_model_hidden", {"B": 3, "T": 12, "V": 48, "C": 24, "F": 48, "nh": 4, "nkv": 4, "L": 1}, None)]:
+    register(Case(name=f"week05/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_model_inputs,
+                  reference=_model_reference, run_rank="run_model", expected=_model_expected,
+                  contract=_model_contract, seed=seed, hidden=seed is None, title="SPCausalLM", hints=MODEL_HINTS))

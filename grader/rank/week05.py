@@ -2,15 +2,16 @@
 block (and the per-rank summands) forward and backward; or build the dense DecoderLayer from the case's
 weight seed, shard it with SPDecoderLayer.from_dense, feed it this rank's block of positions (cut by the
 student's pad_and_split when T is not divisible by t) and return the output block, its input grad, this
-rank's weight-grad shards and the replicated norm-weight grads. Every tensor handed to the student's code
-(inputs, the dense layer's parameters) goes through ctx.hand: the rank entry fails the item
-if the code wrote into one of them. The dense layer and the pad rule live here, and the trusted side
-imports them."""
+rank's weight-grad shards and the replicated norm-weight grads; or shard a dense ForCausalLM with
+SPCausalLM.from_dense, give it the whole (B, T) ids and return its logit columns and every parameter's
+grad. Every tensor handed to the student's code (inputs, the dense parameters) goes through ctx.hand:
+the rank entry fails the item if the code wrote into one of them. The dense layer and model, the shard
+rule and the pad rule live here, and the trusted side imports them."""
 from __future__ import annotations
 
 import torch
 
-from tpkit.models import DecoderLayer, ModelConfig, init_weights
+from tpkit.models import DecoderLayer, ForCausalLM, ModelConfig, init_weights
 
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
@@ -21,6 +22,24 @@ def dense_layer(cfg, inp):
     mc = ModelConfig(hidden_size=cfg["C"], intermediate_size=cfg["F"], num_attention_heads=cfg["nh"],
                      num_key_value_heads=cfg["nkv"])
     return init_weights(DecoderLayer(mc), int(inp["wseed"][0]))
+
+
+def lm_config(cfg):
+    return ModelConfig(vocab_size=cfg["V"], hidden_size=cfg["C"], intermediate_size=cfg["F"],
+                       num_hidden_layers=cfg["L"], num_attention_heads=cfg["nh"], num_key_value_heads=cfg["nkv"])
+
+
+def dense_lm(cfg, inp):
+    return init_weights(ForCausalLM(lm_config(cfg)), int(inp["wseed"][0]))
+
+
+def lm_shard_dim(name: str):
+    """The dim along which rank r keeps 1/t of the dense parameter `name` (None: replicated)."""
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")) or any(f"{c}.weight" in name for c in COLUMN):
+        return 0                       # vocab rows; column-parallel output features
+    if any(f"{c}.weight" in name for c in ROW):
+        return 1                       # row-parallel input features
+    return None                        # norm weights
 
 
 def pad_seq(x, t):
@@ -84,4 +103,26 @@ def run_divisibility(mod, cfg, inp, ctx):
         except ValueError:
             raised = 1
         out[key] = torch.tensor(raised)
+    return out
+
+
+def run_model(mod, cfg, inp, ctx):
+    """SPCausalLM.from_dense on the dense ForCausalLM, the whole (B, T) ids on every rank, this rank's
+    logit columns back; backward from this rank's columns of a random dlogits (what a vocab-parallel
+    cross-entropy hands back)."""
+    dense = dense_lm(cfg, inp)
+    for n, p in dense.named_parameters():
+        ctx.hand(f"dense.{n}", p)
+    model = mod.SPCausalLM.from_dense(dense, group=ctx.group)
+    ctx.record_params(model)
+    ids = ctx.hand("input_ids", inp["ids"].clone())
+    ctx.phase("forward")
+    logits = model(ids)
+    ctx.phase("backward")
+    ctx.backward(logits, ctx.shard(inp["dy"], -1), "logits")
+    params = dict(model.named_parameters())
+    out = {"logits": logits}
+    for n, _ in dense.named_parameters():
+        p = params.get(n)
+        out[f"d{n}"] = None if p is None else p.grad
     return out
