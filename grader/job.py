@@ -315,7 +315,7 @@ def _skipped(item: dict, failed_cases: set[str], graded_together) -> ItemVerdict
     failed = sorted(c for c in _group_of(item["case"], graded_together) if c in failed_cases) or sorted(failed_cases)
     same = failed[0] == item["case"]
     return ItemVerdict(item_id=item["id"], case=item["case"], t=item["t"], passed=False, problems=[
-        f"not run: " + ("this check had already failed at a smaller size" if same else
+        "not run: " + ("this check had already failed at a smaller size" if same else
                         f"`{failed[0]}`, scored together with this check, had already failed")
         + ": its points are lost either way, so the grader did not spend another hang or crash on it."])
 

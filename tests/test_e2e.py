@@ -37,6 +37,8 @@ CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--di
                "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 sys.path.insert(0, os.path.join(ROOT, "book"))
+# one worker under pytest-xdist: the site and the JupyterLab server are built once, in build/
+pytestmark = pytest.mark.xdist_group("e2e")
 
 
 def _need_browser():
@@ -177,6 +179,51 @@ def test_site_week_page_links_to_lab(browser, site):
     # a request cut short by the navigation the click started (net::ERR_ABORTED) is not an error
     errors = [e for e in watch.errors if "ERR_ABORTED" not in e]
     assert not errors, errors
+
+
+def test_site_week3_shows_the_trace_timeline(browser, site, tmp_path, monkeypatch):
+    """Week 3's lecture page shows the timeline its `%%torchrun --trace` cell drew, and the merged trace that cell
+    writes is JSON a browser parses: traceEvents with one process lane per rank and gloo all-reduces on each."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    watch = Watch(page)
+    page.goto(site["url"] + "/notebooks/week03_tp_block.html", wait_until="load")
+    cell = page.evaluate("""() => {
+        const c = [...document.querySelectorAll('div.cell')].find(
+            c => (c.querySelector('.cell_input') || {innerText: ''}).innerText.includes('%%torchrun -n 2 --trace'));
+        return c && {out: [...c.querySelectorAll('.cell_output')].map(o => o.innerText).join('\\n'),
+                     imgs: [...c.querySelectorAll('.cell_output img')].map(i => ({ok: i.complete && i.naturalWidth > 0,
+                                                                                 w: i.naturalWidth}))};
+    }""")
+    assert cell, "week 3 has no `%%torchrun -n 2 --trace` cell"
+    assert "merged into week03_tp_step.trace.json" in cell["out"], cell["out"]
+    assert len(cell["imgs"]) == 1 and cell["imgs"][0]["ok"] and cell["imgs"][0]["w"] > 300, cell["imgs"]
+    img = page.query_selector_all("div.cell .cell_output img")
+    shot = [i for i in img if "--trace" in i.evaluate("i => i.closest('div.cell').innerText")][0]
+    shot.scroll_into_view_if_needed()
+    page.screenshot(path=os.path.join(SHOTS, "week03-trace-timeline.png"))
+
+    # the trace file itself (git-ignored, so written here by the lecture's own cell), parsed by the browser
+    from launch.magic import run_cell
+    nb = json.load(open(os.path.join(ROOT, "notebooks", "week03_tp_block.ipynb")))
+    src = next("".join(c["source"]) for c in nb["cells"] if "".join(c["source"]).startswith("%%torchrun -n 2 --trace"))
+    line, body = src.split("\n", 1)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    run_cell(line[len("%%torchrun"):], body, print_fn=lambda s: None)
+    text = open(tmp_path / "week03_tp_step.trace.json").read()
+    got = page.evaluate("""t => {
+        const d = JSON.parse(t), ev = d.traceEvents;
+        const ranks = ev.filter(e => e.ph === 'M' && e.name === 'process_name').map(e => [e.pid, e.args.name]);
+        const ar = {};
+        for (const e of ev) if (e.name === 'gloo:all_reduce') ar[e.pid] = (ar[e.pid] || 0) + 1;
+        return {isArray: Array.isArray(ev), n: ev.length, ranks, ar,
+                fields: ev.every(e => 'name' in e && 'ph' in e && 'ts' in e && 'pid' in e)};
+    }""", text)
+    page.close()
+    assert got["isArray"] and got["n"] > 0 and got["fields"], got
+    assert sorted(got["ranks"]) == [[0, "rank 0"], [1, "rank 1"]], got["ranks"]
+    assert all(got["ar"].get(str(r), 0) >= 4 for r in (0, 1)), got["ar"]   # a warm-up and a traced step: 4 + 4
+    assert not watch.errors, watch.errors
 
 
 # -- 2. JupyterLab ------------------------------------------------------------------
