@@ -5,7 +5,9 @@ micro-batch (rank r takes rows r*N/t.. of x). Forward of layer i: all-gather W_i
 while the gather of W_{i+1} is already in flight; backward of layer i: all-gather W_i again (W_{i-1}
 prefetched), dX = dY W_i locally, dW_i = dY^T X summed over ranks *and* split by rows with one
 reduce-scatter. So per step: L all-gathers forward, L all-gathers + L reduce-scatters backward, each
-of (t-1)/t of the full weight per rank, and at most two full weights alive at once.
+of (t-1)/t of the full weight per rank, and at most two full weights alive at once. Task 3 (overlap*) keeps all
+of that and moves only the waits: layer i's reduce-scatter is launched async after its dX and dW GEMMs and
+waited by layer i-1's backward after *its* GEMMs (GTP's one-step-deferred finalize), layer 0's by finalize_grads().
 
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  1. each rank stores 1/t of every weight, a block of output rows -> Contract.params `shards.i`, `dW{i}` rows
@@ -27,7 +29,19 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
     {reduce_scatter: L} and no all-reduce (fixture grads_all_reduced)
 10. one all-gather per weight per direction -> Contract.counts forward {all_gather: L} (and backward, rule 8)
 11. the bytes each rank sends -> Contract.bytes_sent forward and backward
-11 rules stated; 9 checked before this issue (4 and 7 were not), 11 checked now.
+Task 3 (cases overlap*, run_overlap: GTPChainOverlap, then finalize_grads() inside the backward phase; rules 1-11
+are checked there too, through the same fields):
+12. launch(i, dw_full) starts dist.reduce_scatter_tensor(..., async_op=True) into an (out_i/t, in_i) result and
+    keeps (result, dw_full, Work) pending; finalize(i) waits for that Work and adds the result to shards[i].grad
+    -> overlap*: `dW{i}`, counts backward {reduce_scatter: L}, bytes
+13. backward of layer i: dX, then dW, then launch RS(dW_i), then finalize(i+1): at every backward dX GEMM but the
+    first, exactly the later layer's reduce-scatter is launched and not yet waited -> `at each backward dX GEMM:
+    weight-grad reduce-scatters launched and not yet waited (1 = the later layer's)` = [0, 1, ..., 1] (a dispatch
+    mode sees each reduce-scatter's launch, and a wrapper of Work.wait sees its wait, matched by the Work's
+    identity; fixtures rs_waited_at_launch: all 0, rs_finalized_at_end: 0, 1, 2, 3)
+14. finalize_grads() waits for whatever is still pending (layer 0's): no reduce-scatter left unwaited -> `weight-grad
+    reduce-scatters never waited` = 0 (and `dW0`)
+14 rules stated; 9 checked before this issue (4 and 7 were not), 11 checked after it; 14 with Task 3 (12-14 new).
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> ctx.hand on the
 dense weights handed to from_dense and the micro-batch (new).
 """
@@ -38,7 +52,7 @@ import math
 import torch
 
 from grader.case import Case, Contract, register
-from grader.rank.week08 import BWD_AHEAD, FWD_AHEAD
+from grader.rank.week08 import BWD_AHEAD, FWD_AHEAD, RS_INFLIGHT, RS_UNWAITED
 
 MODULE = "gtp_linear"
 
@@ -75,6 +89,11 @@ def _expected(cfg, ref, r, t):
     ahead = torch.tensor([1] * (L - 1) + [0], dtype=torch.int64)     # the next weight in flight; none after the last
     out = {"y": ref["y"].chunk(t, 0)[r].contiguous(), "peak_gathered_weights": torch.tensor(2.0),
            "full_weights_saved_for_backward": torch.tensor(0.0), FWD_AHEAD: ahead}
+    if cfg.get("overlap"):   # listed before the grads: an unwaited reduce-scatter also garbles them
+        # backward runs layers L-1..0: at layer L-1's dX GEMM nothing is launched yet; at layer i's, the
+        # reduce-scatter of layer i+1 is in flight (finalised after this GEMM); all are waited in the end
+        out[RS_INFLIGHT] = torch.tensor([0] + [1] * (L - 1), dtype=torch.int64)
+        out[RS_UNWAITED] = torch.tensor(0.0)
     if cfg["backward"]:
         out[BWD_AHEAD] = ahead
         out["dx"] = ref["dx"].chunk(t, 0)[r].contiguous()
@@ -98,6 +117,9 @@ def _contract(cfg, t):
         why["backward"] = (f"each weight is gathered again for dX = dY W ({L} all-gathers; the forward copy was "
                            f"freed) and its full weight grad is summed over ranks and split by rows with one "
                            f"reduce-scatter ({L}); an all-reduce would send twice the bytes and keep a full grad.")
+        if cfg.get("overlap"):
+            why["backward"] += (" Deferring the wait changes when each reduce-scatter finishes, not how many there "
+                                "are: finalize_grads() waits, it launches nothing.")
     params = {f"shards.{i}": (dims[i + 1] // t, dims[i]) for i in range(L)}
     return Contract(counts=counts, bytes_sent=sent, params=params, why=why)
 
@@ -120,6 +142,15 @@ HINTS = {
                 "1 at every weight but layer 0. 0 means backward never prefetches (every gather is cold) or starts "
                 "it after the GEMM."),
 }
+HINTS[RS_INFLIGHT] = ("In backward, launch the reduce-scatter of dW_i asynchronously (async_op=True) after the dX and "
+                      "dW GEMMs of layer i, and wait for it one layer later: layer i-1's backward calls finalize(i) "
+                      "after its own GEMMs; finalize_grads() waits for layer 0's. Expected: 0 at the first backward "
+                      "layer, then 1 (the later layer's reduce-scatter runs under this GEMM). 0 everywhere means "
+                      "each reduce-scatter is waited at once (nothing overlaps); 2 or more means waits are put off "
+                      "further (every full-size weight grad stays alive). Use work.wait() on the Work that "
+                      "dist.reduce_scatter_tensor(..., async_op=True) returns.")
+HINTS[RS_UNWAITED] = ("Every weight-grad reduce-scatter must be waited (work.wait()) before its result is read: "
+                      "layer i-1's backward waits for layer i's, finalize_grads() for whatever is still pending.")
 for _i in range(8):
     HINTS[f"dW{_i}"] = ("Each rank's grad shard is its rows of the dense grad summed over all ranks' micro-batches: "
                         "reduce-scatter the full dY^T X (op SUM), do not keep only the local product.")
@@ -132,4 +163,11 @@ for name, cfg, seed in [
     register(Case(name=f"week08/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_chain", expected=_expected, contract=_contract, seed=seed,
                   hidden=seed is None, title="GTP chain " + ("forward" if not cfg["backward"] else "forward + backward"),
+                  hints=HINTS))
+for name, cfg, seed in [
+        ("overlap", {"dims": [16, 32, 24, 32, 16], "N": 8, "backward": True, "overlap": True}, 2),
+        ("overlap_hidden", {"dims": [8, 16, 12, 24, 8, 12], "N": 12, "backward": True, "overlap": True}, None)]:
+    register(Case(name=f"week08/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
+                  reference=_reference, run_rank="run_overlap", expected=_expected, contract=_contract, seed=seed,
+                  hidden=seed is None, title="GTP chain, weight-grad reduce-scatter finalised one layer later",
                   hints=HINTS))

@@ -1,9 +1,12 @@
-"""Week 8 on a rank: build the student's GTPChain from the dense weights (each rank keeps its rows of every
-weight), run this rank's micro-batch forward (and backward) under tpkit.gather_watch.GatherWatch, and return
-the output, the input grad, this rank's weight-grad shards and what the watch saw: the most gathered full
-weights alive at once, and how many full weights were saved for backward; and, from a dispatch mode that sees
-every all-gather launch and every GEMM in order, how many gathers had been launched after each weight's own
-when its GEMM ran (the prefetch: 1 = the next weight, 0 at the last one)."""
+"""Week 8 on a rank: build the student's GTPChain (or GTPChainOverlap) from the dense weights (each rank keeps
+its rows of every weight), run this rank's micro-batch forward (and backward, then finalize_grads() for the
+overlapped chain) under tpkit.gather_watch.GatherWatch, and return the output, the input grad, this rank's
+weight-grad shards and what the watch saw: the most gathered full weights alive at once, and how many full
+weights were saved for backward; and, from a dispatch mode that sees every all-gather and reduce-scatter launch,
+every GEMM and every Work.wait() in order: how many gathers had been launched after each weight's own when its
+GEMM ran (the prefetch: 1 = the next weight, 0 at the last one), and, at each backward dX GEMM, how many
+weight-grad reduce-scatters had been launched and not yet waited (the deferred finalisation: 1 = the later
+layer's, 0 at the first backward layer), and how many were never waited at all."""
 from __future__ import annotations
 
 import os
@@ -28,13 +31,20 @@ if os.environ.get("COURSE_JOB_ID"):   # only in a grading job's processes, not w
 
 FWD_AHEAD = "at each forward GEMM: later weights already being gathered (1 = the next one)"
 BWD_AHEAD = "at each backward GEMM: earlier weights already being gathered (1 = the previous one)"
+RS_INFLIGHT = "at each backward dX GEMM: weight-grad reduce-scatters launched and not yet waited (1 = the later layer's)"
+RS_UNWAITED = "weight-grad reduce-scatters never waited"
+_RS_OPS = {"_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"}
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "mv", "addmv", "_addmm_activation", "dot"}
 
 
 def _prefetch_order(ledger):
-    """A dispatch mode that sees, in each phase, every all-gather launch and every GEMM: at the first GEMM that
-    reads a gathered buffer (or a view of it), it records how many gathers of that phase were launched after
-    that buffer's own. Defined per call, so nothing at module level stands between the student and it."""
+    """A dispatch mode that sees, in each phase, every all-gather and reduce-scatter launch and every GEMM, and
+    (while active) every Work.wait(): at the first GEMM that reads a gathered buffer (or a view of it), it
+    records how many gathers of that phase were launched after that buffer's own and how many reduce-scatters
+    of that phase are in flight (launched, their Work not yet waited). A Work is matched to its launch by
+    identity: Work.unbox of the op's output is the very object dist.* hands the caller (a functional
+    collective, waited with wait_tensor, is not followed: the lab asks for dist.reduce_scatter_tensor and its
+    Work). Defined per call, so nothing at module level stands between the student and it."""
     import weakref
 
     from tpkit.dispatch import MeasuringMode
@@ -44,6 +54,40 @@ def _prefetch_order(ledger):
             super().__init__()
             self.gathers: dict[str, list] = {}     # phase -> [(weakref to the buffer, storage ptr, read yet)]
             self.ahead: dict[str, list] = {}       # phase -> [later gathers launched, per weight, at its GEMM]
+            self.rs: dict[str, list] = {}          # phase -> [[Work, waited yet]] per c10d reduce-scatter
+            self.rs_inflight: dict[str, list] = {}  # phase -> [reduce-scatters in flight, per weight, at its GEMM]
+            self._works: dict[int, list] = {}      # id(Work) -> its record (the Work is kept, so the id is unique)
+
+        def __enter__(self):
+            work_cls = torch._C._distributed_c10d.Work
+            self._inner_wait = inner = work_cls.wait
+            works = self._works
+
+            def wait(w, *a, **k):
+                rec = works.get(id(w))
+                if rec is not None:
+                    rec[1] = True
+                return inner(w, *a, **k)
+
+            work_cls.wait = wait
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            torch._C._distributed_c10d.Work.wait = self._inner_wait
+            return super().__exit__(*exc)
+
+        def unwaited(self, phase):
+            return sum(1 for _, waited in self.rs.get(phase, []) if not waited)
+
+        def _track_rs(self, out):
+            if isinstance(out, (tuple, list)) and out and isinstance(out[-1], torch.ScriptObject):
+                try:
+                    work = torch._C._distributed_c10d.Work.unbox(out[-1])
+                except Exception:      # noqa: BLE001
+                    return
+                rec = [work, False]
+                self._works[id(work)] = rec
+                self.rs.setdefault(ledger.phase, []).append(rec)
 
         @staticmethod
         def _ptr(t):
@@ -69,6 +113,7 @@ def _prefetch_order(ledger):
                     if not read:
                         mine[j][2] = True
                         self.ahead.setdefault(ledger.phase, []).append(len(mine) - (j + 1))
+                        self.rs_inflight.setdefault(ledger.phase, []).append(self.unwaited(ledger.phase))
                     return
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -82,15 +127,17 @@ def _prefetch_order(ledger):
                     self._track(o)
             elif func.namespace == "_c10d_functional" and name == "all_gather_into_tensor":
                 self._track(out)
+            elif func.namespace == "c10d" and name in _RS_OPS:
+                self._track_rs(out)
             return out
 
     return PrefetchOrder()
 
 
-def run_chain(mod, cfg, inp, ctx):
+def _run(mod, cfg, inp, ctx, overlap):
     from tpkit.gather_watch import GatherWatch
     weights = [ctx.hand(f"weights[{i}]", inp[f"W{i}"]) for i in range(len(cfg["dims"]) - 1)]
-    chain = mod.GTPChain.from_dense(weights, group=ctx.group)
+    chain = (mod.GTPChainOverlap if overlap else mod.GTPChain).from_dense(weights, group=ctx.group)
     ctx.record_params(chain)
     x = ctx.hand("x", ctx.shard(inp["x"], 0)).requires_grad_(True)    # this rank's micro-batch
     dy = ctx.shard(inp["dy"], 0)
@@ -103,6 +150,8 @@ def run_chain(mod, cfg, inp, ctx):
         if cfg["backward"]:
             ctx.phase("backward")
             y.backward(dy)
+            if overlap:
+                chain.finalize_grads()    # the reduce-scatters still in flight (layer 0's) are waited here
     out = {"y": y, "peak_gathered_weights": torch.tensor(float(watch.peak_count)),
            "full_weights_saved_for_backward": torch.tensor(float(watch.saved_full)),
            FWD_AHEAD: torch.tensor(order.ahead.get("forward", []), dtype=torch.int64)}
@@ -111,6 +160,19 @@ def run_chain(mod, cfg, inp, ctx):
         shards = list(chain.parameters())
         out.update({f"dW{i}": p.grad for i, p in enumerate(shards)})
         out[BWD_AHEAD] = torch.tensor(order.ahead.get("backward", []), dtype=torch.int64)
+        if overlap:
+            out[RS_INFLIGHT] = torch.tensor(order.rs_inflight.get("backward", []), dtype=torch.int64)
+            out[RS_UNWAITED] = torch.tensor(float(order.unwaited("backward")))
     else:
         out["peak_gathered_weights"] = torch.tensor(float(fwd_peak))
     return out
+
+
+def run_chain(mod, cfg, inp, ctx):
+    return _run(mod, cfg, inp, ctx, overlap=False)
+
+
+def run_overlap(mod, cfg, inp, ctx):
+    """Task 3: GTPChainOverlap, whose backward defers each weight-grad reduce-scatter by one layer, then
+    chain.finalize_grads(), inside the backward phase: a collective it issued would count with the backward's."""
+    return _run(mod, cfg, inp, ctx, overlap=True)
