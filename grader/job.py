@@ -317,7 +317,7 @@ def _skipped(item: dict, failed_cases: set[str], graded_together) -> ItemVerdict
     return ItemVerdict(item_id=item["id"], case=item["case"], t=item["t"], passed=False, problems=[
         "not run: " + ("this check had already failed at a smaller size" if same else
                         f"`{failed[0]}`, scored together with this check, had already failed")
-        + ": its points are lost either way, so the grader did not spend another hang or crash on it."])
+        + ": its points are lost either way, so the grader did not run it again."])
 
 
 def _attempt(jobdir, k, items, backend, launcher, mode, pg_timeout, stream, wrap, interactive, graded_together):

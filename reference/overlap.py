@@ -11,6 +11,11 @@ with dependent computation via decomposition"; torchtitan "async TP"):
 On gloo the P2P runs on gloo's own threads, so the overlap is real on CPU too. On CUDA the P2P is posted
 from a side stream (`comm_stream`), so the compute stream is free for the GEMM; Work.wait() then makes
 the compute stream wait for the transfer without blocking the host.
+
+Also here: `SPColumnLinear`, the SP column linear whose backward posts its all-gather before the dgrad GEMM
+and its reduce-scatter before the wgrad GEMM (Megatron-LM), `SPMLP` (a block built on it, for timing a step),
+`IssueWaitLog` (the order of posts, GEMMs and waits on a rank), and `pipelined_all_gather_matmul` (the step
+order of PyTorch's micro-pipelined `symm_mem.fused_all_gather_matmul`, with P2P on gloo).
 """
 from __future__ import annotations
 
@@ -142,3 +147,200 @@ def linear_reduce_scatter(x, w, group=None):
     return LinearReduceScatter.apply(x, w, group)
 
 
+# -- Megatron's backward overlap for the sequence-parallel column linear (Week 6 §7-§8) -------------------
+def start_all_gather_seq(x_s, group=None):
+    """Post (async_op=True) the all-gather of the sequence blocks x_s (B, T/t, C).
+
+    Returns (buffer (T, B, C), Work): read the buffer only after Work.wait(). all_gather_single works on
+    dim 0, so the sequence goes first; Megatron keeps activations as [s, b, h] and needs no transpose.
+    """
+    t = dist.get_world_size(group)
+    xs = x_s.transpose(0, 1).contiguous()                           # (T/t, B, C)
+    out = xs.new_empty((t * xs.shape[0],) + tuple(xs.shape[1:]))    # (T, B, C)
+    return out, dist.all_gather_single(out, xs, group=group, async_op=True)
+
+
+def start_reduce_scatter_seq(x, group=None):
+    """Post (async_op=True) the reduce-scatter of partial sums x (B, T, C) along the sequence.
+
+    Returns (buffer (T/t, B, C), Work): this rank's block of the sum, valid after Work.wait().
+    """
+    t = dist.get_world_size(group)
+    xs = x.transpose(0, 1).contiguous()                             # (T, B, C)
+    out = xs.new_empty((xs.shape[0] // t,) + tuple(xs.shape[1:]))   # (T/t, B, C)
+    return out, dist.reduce_scatter_single(out, xs, group=group, async_op=True)
+
+
+def batch_first(x):
+    """(T', B, C) -> (B, T', C), contiguous."""
+    return x.transpose(0, 1).contiguous()
+
+
+class SPColumnLinear(torch.autograd.Function):
+    """Y = AllGather_T(x_s) W_r^T, the first GEMM after a sequence-parallel region (Korthikanti et al. 2022, §4.2.2),
+    with the backward of Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication (sequence_parallel=True).
+
+    x_s (B, T/t, C) this rank's sequence block, w (O/t, C) this rank's rows of W -> Y (B, T, O/t).
+    Forward keeps only x_s, not the gathered X (B, T, C): 1/t of that activation. Backward needs
+        dX = dY W      (dgrad; a partial sum: this rank saw only O/t of the outputs)  -> reduce-scatter along T
+        dW = dY^T X    (wgrad; needs the whole sequence of X)                         -> all-gather X again
+    and hides each collective under the GEMM that does not need it:
+        post AG(x_s) | dgrad GEMM | wait AG | post RS(dX) | wgrad GEMM | wait RS
+    overlap=False waits on each collective right after posting it (the serialised schedule, same bits).
+    """
+
+    @staticmethod
+    def forward(ctx, x_s, w, group=None, overlap=True):
+        buf, work = start_all_gather_seq(x_s, group)
+        work.wait()                                                 # the forward GEMM needs all of X at once
+        ctx.save_for_backward(x_s, w)                               # the shard only: X is gathered again in backward
+        ctx.group, ctx.overlap = group, overlap
+        return F.linear(batch_first(buf), w)                        # (B, T, O/t)
+
+    @staticmethod
+    def backward(ctx, dy):                                          # dy (B, T, O/t)
+        x_s, w = ctx.saved_tensors
+        # wgrad needs the whole X, but forward kept only this rank's block: gather it again. Post it first:
+        # the dgrad GEMM below does not read X, so the transfer runs while it computes. (On GPUs Megatron
+        # relies on CUDA_DEVICE_MAX_CONNECTIONS=1 so that the gather is scheduled before that GEMM.)
+        x_buf, ag = start_all_gather_seq(x_s, ctx.group)
+        if not ctx.overlap:
+            ag.wait()
+        dx = dy @ w                                                 # (B, T, C) dgrad, a partial sum over ranks
+        if ctx.overlap:
+            ag.wait()                                               # wgrad reads X from here on
+        x = batch_first(x_buf)                                      # (B, T, C)
+        # every rank holds a partial dX for all T positions, and rank r keeps only block r of the sum (the
+        # sequence-parallel region before this layer): a reduce-scatter. Post it before the wgrad GEMM,
+        # which does not read dX, so the reduction runs while dW computes.
+        dx_buf, rs = start_reduce_scatter_seq(dx, ctx.group)
+        if not ctx.overlap:
+            rs.wait()
+        dw = dy.flatten(0, -2).t() @ x.flatten(0, -2)              # (O/t, C) wgrad over all B*T rows
+        if ctx.overlap:
+            rs.wait()                                               # dX_s is returned: it must have arrived
+        return batch_first(dx_buf), dw, None, None                  # (B, T/t, C), (O/t, C)
+
+
+def sp_column_linear(x_s, w, group=None, overlap=True):
+    return SPColumnLinear.apply(x_s, w, group, overlap)
+
+
+class IssueWaitLog:
+    """The order in which this rank issued collectives, ran GEMMs and returned from Work.wait().
+
+    A dispatch mode (collectives and GEMMs are seen as they are dispatched) plus a wrapper of Work.wait
+    while active. `in_flight(op)` counts, for each collective of kind `op`, the GEMMs that ran between
+    issuing it and waiting on it: 0 is a serialised collective, >= 1 an overlapped one. A wait's kind is
+    read from its Work's op type (all-gather or send/recv types; anything else is taken for the reduce-scatter:
+    gloo's reduce_scatter_single returns an UNKNOWN one). Launch order, not time: on a GPU use a profiler.
+    """
+    GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+
+    def __init__(self):
+        from tpkit.dispatch import MeasuringMode
+        from tpkit.ledger import _OPS
+        log = self
+        self.events: list[tuple[str, str]] = []
+
+        class _Mode(MeasuringMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.namespace == "c10d" and _OPS.get(func._opname) in ("all_gather", "reduce_scatter"):
+                    log.events.append(("issue", _OPS[func._opname]))
+                elif func.namespace == "aten" and func._opname in IssueWaitLog.GEMMS:
+                    log.events.append(("gemm", func._opname))
+                return out
+        self._mode = _Mode()
+
+    def __enter__(self):
+        work = torch._C._distributed_c10d.Work
+        self._orig, orig, events = work.wait, work.wait, self.events
+        types = torch._C._distributed_c10d.OpType
+        ag = {int(getattr(types, n)) for n in ("ALLGATHER", "_ALLGATHER_BASE", "ALLGATHER_COALESCED")}
+        p2p = {int(getattr(types, n)) for n in ("SEND", "RECV", "RECVANYSOURCE")}
+
+        def logged_wait(w, *a, **k):
+            out = orig(w, *a, **k)
+            op = int(w._get_op_type())
+            events.append(("wait", "all_gather" if op in ag else "p2p" if op in p2p else "reduce_scatter"))
+            return out
+        work.wait = logged_wait
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        torch._C._distributed_c10d.Work.wait = self._orig
+
+    def in_flight(self, op: str) -> list[int]:
+        """For each `op` issued, in order: the GEMMs run between issuing it and its wait (-1: never waited).
+
+        Waits of one kind are matched to the issues of that kind first in, first out."""
+        spans, open_ = [], []                   # open_: indices into spans still waiting for their wait
+        for kind, what in self.events:
+            if kind == "issue" and what == op:
+                spans.append(0)
+                open_.append(len(spans) - 1)
+            elif kind == "gemm":
+                for i in open_:
+                    spans[i] += 1
+            elif kind == "wait" and what == op and open_:
+                open_.pop(0)
+        return [-1 if i in open_ else n for i, n in enumerate(spans)]
+
+
+# -- micro-pipelined all-gather + matmul: the schedule of torch's fused_all_gather_matmul (Week 6 §9) --------
+def pipelined_all_gather_matmul(a_s, b, group=None, order=None):
+    """a_s (B, T/t, C) sequence block, b (C, O) -> (A = AllGather_T(a_s) (B, T, C), A @ b (B, T, O)).
+
+    The order of `torch.distributed._symmetric_memory._pipelined_all_gather_and_consume` (Wang et al. 2023's
+    decomposition): step 0 multiplies the local shard; step s = 1..t-1 the shard of rank (r + s) mod t,
+    fetched while step s-1 multiplies. On GPUs each fetch is a copy out of that rank's symmetric-memory
+    buffer (NVLink lets every rank read every other); on gloo it is one send to (r - s) mod t and one
+    receive from (r + s) mod t, posted a step ahead. `order`, if a list, gets the source rank of each step's GEMM.
+    """
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    glob = (lambda i: i) if group is None else (lambda i: dist.get_global_rank(group, i))
+    a_s = a_s.contiguous()
+    shards = a_s.new_empty((t,) + tuple(a_s.shape))                 # (t, B, T/t, C): shard j of A at [j]
+    out = a_s.new_empty((t,) + tuple(a_s.shape[:-1]) + (b.shape[1],))   # (t, B, T/t, O)
+
+    def fetch(s):                                                   # post the exchange of step s
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, a_s, glob((r - s) % t), group),
+                                       dist.P2POp(dist.irecv, shards[(r + s) % t], glob((r + s) % t), group)])
+    shards[r] = a_s
+    works = fetch(1) if t > 1 else []
+    for s in range(t):
+        src = (r + s) % t
+        out[src] = torch.matmul(shards[src], b)                     # (B, T/t, O), while step s+1 is in flight
+        if order is not None:
+            order.append(src)
+        for w in works:
+            w.wait()
+        works = fetch(s + 2) if s + 2 < t else []
+    B, Tc = a_s.shape[0], a_s.shape[1]
+    return (shards.transpose(0, 1).reshape(B, t * Tc, -1),          # (B, T, C)
+            out.transpose(0, 1).reshape(B, t * Tc, -1))             # (B, T, O)
+
+
+class SPMLP(torch.nn.Module):
+    """x_s (B, T/t, C) -> x_s + RS_T(gelu(AG_T(x_s) W1_r^T) W2_r^T): an SP block's MLP, without its norm.
+
+    W1_r (F/t, C) is this rank's rows of the first weight (column-parallel: `SPColumnLinear`, backward-
+    overlapped when overlap=True), W2_r (C, F/t) its columns of the second (row-parallel, partial sums
+    reduce-scattered along T). Per block and step: forward AG + RS, backward AG (of dY, for the row GEMM)
+    + AG (X again) + RS (dX).
+    """
+
+    def __init__(self, w1, w2, group=None, overlap=True):
+        super().__init__()
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        self.w1 = torch.nn.Parameter(w1.detach().chunk(t, 0)[r].clone())    # (F/t, C)
+        self.w2 = torch.nn.Parameter(w2.detach().chunk(t, 1)[r].clone())    # (C, F/t)
+        self.group, self.overlap = group, overlap
+
+    def forward(self, x_s):
+        from reference.sp_layers import ReduceScatterToSequence
+        h = F.gelu(SPColumnLinear.apply(x_s, self.w1, self.group, self.overlap))   # (B, T, F/t)
+        return x_s + ReduceScatterToSequence.apply(F.linear(h, self.w2), self.group)  # (B, T/t, C)

@@ -1,7 +1,9 @@
-"""Week 6: overlapped (ring) AG+GEMM and GEMM+RS, and the column/row linears built on them; t = 2 and 4.
+"""Week 6: overlapped (ring) AG+GEMM and GEMM+RS, the column/row linears built on them, and the sequence-parallel
+column linear whose backward overlaps its all-gather and reduce-scatter with GEMMs (Megatron-LM); t = 2 and 4.
 
 Correctness is graded (dense reference at atol=1e-3, plus bit-exactness vs the non-overlapped version
-where the algorithm allows); overlap is not: it is a timing, reported by `tpkit.timeline.overlap_efficiency`.
+where the algorithm allows); the time overlap saves is not (a timing, reported by
+`tpkit.timeline.overlap_efficiency`). Task 4 grades the order of issue, GEMM and wait instead (rule 12).
 
 Bit-exactness ("same_bits_as_plain"): the harness recomputes the non-overlapped version on the rank, in a
 phase the contract ignores: all-gather then F.linear on each contiguous (B, T/t, C) block; or F.linear per
@@ -25,10 +27,26 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  7. the column linear keeps rows r*O/t:(r+1)*O/t; forward ring AG+GEMM, backward GEMM+RS for dX and dW from the
     gathered X -> column_linear: Contract.params, counts forward/backward (one ring each), `y`, `dx`, `dW`
  8. the row linear keeps that block of columns; forward GEMM+RS, backward ring AG+GEMM of dY -> row_linear: the same
-8 rules stated; 8 checked before this issue, 8 checked now.
-Stated by the lab as reported, not graded: the overlap itself (post step k+1 before the GEMM of step k, wait
-after it). Timing on a shared CPU is not a fair grade; the ungraded cell reports it (fixture serialized_overlap
-passes by design). "No bias" is the lab's scope, not a rule.
+ 9. the SP column linear keeps rows r*O/t:(r+1)*O/t; forward all-gathers x along T (one all-gather), backward
+    re-gathers X for dW and reduce-scatters dX, nothing else; outputs and grads match the dense layer ->
+    sp_column_backward: Contract.params, counts and bytes_sent per phase, `y`, `dx`, `dW`
+    (fixture forgot_reduce_scatter)
+10. forward saves only x_s, not the gathered X -> `saves_shard_only` (no saved tensor, nor ctx attribute, of the
+    gathered size)
+11. moving the waits changes no bits: output, dX and dW equal the non-overlapped version (all_gather_single,
+    F.linear; dy @ weight, reduce_scatter_single; dy^T X) bit for bit -> `bits_y`, `bits_dx`, `bits_dW`,
+    recomputed in the harness phase. Held at t = 2 and 4: both sides run the same gloo collectives on the same
+    inputs and the same GEMMs on freshly allocated buffers.
+12. the all-gather is posted (async_op=True) before the dgrad GEMM and waited after it; the reduce-scatter is
+    posted before the wgrad GEMM and waited after it -> `overlap_ag`, `overlap_rs`: the order in which backward
+    issued each collective, ran GEMMs (aten mm/addmm/bmm/baddbmm) and returned from Work.wait / wait_tensor,
+    recorded on the rank (grader.rank.week06._Schedule) (fixture serialized_backward_ag)
+12 rules stated; 8 checked before this issue, 12 checked now.
+Stated by the lab as reported, not graded: the ring's overlap (Tasks 1-3: post step k+1 before the GEMM of step k,
+wait after it). Timing on a shared CPU is not a fair grade; the ungraded cell reports it (fixture
+serialized_overlap passes by design). Task 4 grades the *order* of issue, GEMM and wait (rule 12), which is
+deterministic; whether the bytes really moved during the GEMM is a timing again, and not graded.
+"No bias" is the lab's scope, not a rule.
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> the ring functions'
 inputs (before) and now also the linears' dense weight and input: ctx.hand.
 """
@@ -134,3 +152,52 @@ for name, cfg, seed in [("column_linear", _cfg(kind="column"), 12), ("row_linear
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_linear", expected=_expect_linear, contract=_linear_contract,
                   seed=seed, hidden=seed is None, title="overlapped linear", hints=HINTS))
+
+
+# -- Task 4: the sequence-parallel column linear with Megatron's backward overlap --------------------------
+SP_HINTS = dict(HINTS)
+SP_HINTS.update({
+    "dx": "dX = dY W is a partial sum on every rank (each saw O/t outputs) for all T positions: reduce-scatter it "
+          "along T (seq_first, reduce_scatter_single, batch_first) so that rank r keeps block r of the sum.",
+    "dW": "dW = dY^T X over all B*T rows needs the whole sequence of X: all-gather x_s again in backward.",
+    "bits_y": "1 = the output equals 'all_gather_single, then F.linear(X, weight)' bit for bit. Use exactly that.",
+    "bits_dx": "1 = dX equals 'reduce_scatter_single of dy @ weight' bit for bit: moving a wait changes no bits; "
+               "computing dX another way (or summing it yourself) can.",
+    "bits_dW": "1 = dW equals dy.flatten(0, -2).t() @ X.flatten(0, -2) bit for bit, X the re-gathered input "
+               "(another formula, e.g. (X^T dY)^T, may round differently).",
+    "overlap_ag": "Codes: 1 = the all-gather of x_s was posted (async_op=True), a GEMM ran (dX = dy @ weight), then "
+                  "it was waited (overlapped); 0 = it was waited before any GEMM ran (async_op=False, or wait() "
+                  "right after posting: serialised); 2 = never waited; 3 = no all-gather was posted in backward.",
+    "overlap_rs": "Codes: 1 = the reduce-scatter of dX was posted (async_op=True), a GEMM ran (dW), then it was "
+                  "waited (overlapped); 0 = it was waited before any GEMM ran (serialised: post it before the dW "
+                  "GEMM, wait after); 2 = never waited (its result may not have arrived); 3 = no reduce-scatter "
+                  "was posted in backward.",
+    "saves_shard_only": "1 = forward kept only x_s (B, T/t, C) for backward; 0 = it kept a tensor the size of the "
+                        "gathered X (B, T, C), which the re-gather in backward exists to avoid.",
+})
+
+
+def _expect_sp_column(cfg, ref, r, t):
+    one = torch.tensor([1])
+    return {"y": _shard(ref["y"], r, t, 2), "dx": _shard(ref["dx"], r, t, 1), "dW": _shard(ref["dW"], r, t, 0),
+            "bits_y": one, "bits_dx": one, "bits_dW": one, "overlap_ag": one, "overlap_rs": one,
+            "saves_shard_only": one}
+
+
+def _sp_column_contract(cfg, t):
+    n_x = cfg["B"] * cfg["T"] * cfg["in"] * 4                 # bytes of the gathered X (B, T, C), fp32; dX the same
+    ring = (t - 1) / t * n_x
+    return Contract(counts={"forward": {"all_gather": 1}, "backward": {"all_gather": 1, "reduce_scatter": 1}},
+                    bytes_sent={"forward": ring, "backward": 2 * ring},
+                    params={"weight": (cfg["out"] // t, cfg["in"])},
+                    why={"forward": "one all-gather of x along T: the GEMM needs the whole sequence.",
+                         "backward": "forward kept only x_s, so dW needs X gathered again (one all-gather); dX is a "
+                                     "partial sum over ranks of which rank r keeps block r (one reduce-scatter)."})
+
+
+for name, cfg, seed in [("sp_column_backward", _cfg(), 14),
+                        ("sp_column_backward_hidden", _cfg(B=3, T=4, **{"in": 12, "out": 8}), None)]:
+    register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
+                  reference=_reference, run_rank="run_sp_column", expected=_expect_sp_column,
+                  contract=_sp_column_contract, seed=seed, hidden=seed is None,
+                  title="SP column linear, backward overlap", hints=SP_HINTS))

@@ -48,8 +48,10 @@ class Seal:
     def __init__(self):
         for mod in MEASURING:
             importlib.import_module(mod)
+        # the week's run functions and the entry measure too (e.g. week 6's order of posts, GEMMs and waits)
+        self.modules = SEALED + tuple(sorted(m for m in sys.modules if m.startswith("grader.rank.")))
         self.ids: dict[str, int] = {}
-        for mod in SEALED:
+        for mod in self.modules:
             if mod in sys.modules:
                 self.ids.update(_callables(mod, vars(sys.modules[mod])))
         work = torch._C._distributed_c10d.Work
@@ -58,7 +60,7 @@ class Seal:
 
     def broken(self) -> list[str]:
         now = {}
-        for mod in SEALED:
+        for mod in self.modules:
             if mod in sys.modules:
                 now.update(_callables(mod, vars(sys.modules[mod])))
         now["Work.wait"] = id(torch._C._distributed_c10d.Work.wait)
