@@ -52,7 +52,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 26. one list per stage of ("F", mb), ("B", mb) and ("W", mb) -> `splits the backward into B and W actions`
 27. W(mb) after the stage's own B(mb); F and B as in task 1 -> `stuck at (stage, position)`
 28. every F, B and W exactly once -> `runs each F(mb), B(mb) and W(mb) once`
-29. with t_b >= t_w, every stage idles at most (p-1)(t_f + t_b - t_w) -> `idle time per stage beyond ZB-H1's ...`
+29. with t_w <= t_f and t_w <= t_b, every stage idles at most (p-1)(t_f + t_b - t_w) -> `idle time per stage beyond ZB-H1's ...`
     for two cost sets (three hidden) (fixture zb_w_right_after_b)
 30. at most p micro-batches in flight (F until W) on any stage -> `micro-batches in flight per stage beyond p`
     (fixture zb_all_w_at_the_end)
