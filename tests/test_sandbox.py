@@ -128,3 +128,57 @@ def test_grading_from_a_symlinked_venv_and_a_checkout_under_tmp():
         assert p.returncode == 0 and "score: 8/8" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+LEAVE_BEHIND = textwrap.dedent("""
+    import os, time
+    open("/tmp/job-a-marker", "w").write("A")           # the box's /tmp
+    open("job-a-marker", "w").write("A")                # the job's out/ folder
+    os.environ["JOB_A_MARKER"] = "A"
+    if os.fork() == 0:                                  # a process that tries to outlive its job
+        os.setsid()
+        import ctypes
+        ctypes.CDLL(None).prctl(15, b"job-a-sleeper", 0, 0, 0)    # PR_SET_NAME: its name in /proc/PID/comm
+        time.sleep(120)
+        os._exit(0)
+""")
+LOOK_BACK = textwrap.dedent("""
+    import glob, os
+    _seen = [p for p in glob.glob("/tmp/*") + glob.glob("*") + glob.glob("../../*/*") + glob.glob("../../*/*/*")
+             if "job-a" in p]
+    for _pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if open(f"/proc/{_pid}/comm").read().strip() == "job-a-sleeper":
+                _seen.append(f"process {_pid}")
+        except OSError:
+            pass
+    if _seen or os.environ.get("JOB_A_MARKER"):
+        raise RuntimeError(f"this job sees the previous one: {_seen} {os.environ.get('JOB_A_MARKER')}")
+""")
+
+
+def _marked_processes() -> list[int]:
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "job-a-sleeper":
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_job_sees_nothing_of_the_previous_one():
+    """Two submissions graded one after the other by one grading process (as a class autograde worker does):
+    files, environment and processes the first job leaves are gone, and the second job cannot see them."""
+    from grader.job import run_checks
+    from launch.runner import job_processes
+    from tests.corpus import solution_modules
+    module = solution_modules("week02")["tp_linear.py"]
+    first = run_checks(["week02/column_parallel"], {"tp_linear.py": LEAVE_BEHIND + module}, sandbox="on")
+    assert first.passed, first.cases["week02/column_parallel"].message()
+    assert not [p for run in first.runs for p in job_processes(run.job_id)], "the first job left processes"
+    assert not _marked_processes(), "a process of the first job outlived it"
+    second = run_checks(["week02/column_parallel"], {"tp_linear.py": LOOK_BACK + module}, sandbox="on")
+    assert second.passed, second.cases["week02/column_parallel"].message()
