@@ -185,26 +185,11 @@ class CollectiveTimeline(Timeline):
         self._by_work: dict[int, dict] = {}
         self._works: list = []                                # keeps each Work alive, so its id stays unique
 
-    def __enter__(self):
-        out = super().__enter__()                             # Timeline wraps Work.wait with its timer
-        work_cls = torch._C._distributed_c10d.Work
-        self._inner_wait = inner = work_cls.wait
-        by_work = self._by_work
-
-        def keyed_wait(w, *a, **k):
-            s = time.perf_counter()
-            res = inner(w, *a, **k)
-            rec = by_work.get(id(w))
-            if rec is not None and rec["returned"] is None:
-                rec["waited"], rec["returned"] = s, time.perf_counter()
-            return res
-
-        work_cls.wait = keyed_wait
-        return out
-
-    def __exit__(self, *exc):
-        torch._C._distributed_c10d.Work.wait = self._inner_wait
-        return super().__exit__(*exc)
+    def on_wait(self, work, started, returned):
+        super().on_wait(work, started, returned)             # Timeline's record of time blocked in wait
+        rec = self._by_work.get(id(work))
+        if rec is not None and rec["returned"] is None:
+            rec["waited"], rec["returned"] = started, returned
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         s = time.perf_counter()

@@ -14,7 +14,7 @@ the compute stream wait for the transfer without blocking the host.
 
 Also here: `SPColumnLinear`, the SP column linear whose backward posts its all-gather before the dgrad GEMM
 and its reduce-scatter before the wgrad GEMM (Megatron-LM), `SPMLP` (a block built on it, for timing a step),
-`IssueWaitLog` (the order of posts, GEMMs and waits on a rank), and `pipelined_all_gather_matmul` (the step
+and `pipelined_all_gather_matmul` (the step
 order of PyTorch's micro-pipelined `symm_mem.fused_all_gather_matmul`, with P2P on gloo).
 """
 from __future__ import annotations
@@ -224,70 +224,6 @@ class SPColumnLinear(torch.autograd.Function):
 
 def sp_column_linear(x_s, w, group=None, overlap=True):
     return SPColumnLinear.apply(x_s, w, group, overlap)
-
-
-class IssueWaitLog:
-    """The order in which this rank issued collectives, ran GEMMs and returned from Work.wait().
-
-    A dispatch mode (collectives and GEMMs are seen as they are dispatched) plus a wrapper of Work.wait
-    while active. `in_flight(op)` counts, for each collective of kind `op`, the GEMMs that ran between
-    issuing it and waiting on it: 0 is a serialised collective, >= 1 an overlapped one. A wait's kind is
-    read from its Work's op type (all-gather or send/recv types; anything else is taken for the reduce-scatter:
-    gloo's reduce_scatter_single returns an UNKNOWN one). Launch order, not time: on a GPU use a profiler.
-    """
-    GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
-
-    def __init__(self):
-        from tpkit.dispatch import MeasuringMode
-        from tpkit.ledger import _OPS
-        log = self
-        self.events: list[tuple[str, str]] = []
-
-        class _Mode(MeasuringMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if func.namespace == "c10d" and _OPS.get(func._opname) in ("all_gather", "reduce_scatter"):
-                    log.events.append(("issue", _OPS[func._opname]))
-                elif func.namespace == "aten" and func._opname in IssueWaitLog.GEMMS:
-                    log.events.append(("gemm", func._opname))
-                return out
-        self._mode = _Mode()
-
-    def __enter__(self):
-        work = torch._C._distributed_c10d.Work
-        self._orig, orig, events = work.wait, work.wait, self.events
-        types = torch._C._distributed_c10d.OpType
-        ag = {int(getattr(types, n)) for n in ("ALLGATHER", "_ALLGATHER_BASE", "ALLGATHER_COALESCED")}
-        p2p = {int(getattr(types, n)) for n in ("SEND", "RECV", "RECVANYSOURCE")}
-
-        def logged_wait(w, *a, **k):
-            out = orig(w, *a, **k)
-            op = int(w._get_op_type())
-            events.append(("wait", "all_gather" if op in ag else "p2p" if op in p2p else "reduce_scatter"))
-            return out
-        work.wait = logged_wait
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
-        torch._C._distributed_c10d.Work.wait = self._orig
-
-    def in_flight(self, op: str) -> list[int]:
-        """For each `op` issued, in order: the GEMMs run between issuing it and its wait (-1: never waited).
-
-        Waits of one kind are matched to the issues of that kind first in, first out."""
-        spans, open_ = [], []                   # open_: indices into spans still waiting for their wait
-        for kind, what in self.events:
-            if kind == "issue" and what == op:
-                spans.append(0)
-                open_.append(len(spans) - 1)
-            elif kind == "gemm":
-                for i in open_:
-                    spans[i] += 1
-            elif kind == "wait" and what == op and open_:
-                open_.pop(0)
-        return [-1 if i in open_ else n for i, n in enumerate(spans)]
 
 
 # -- micro-pipelined all-gather + matmul: the schedule of torch's fused_all_gather_matmul (Week 6 §9) --------

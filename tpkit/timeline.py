@@ -2,7 +2,9 @@
 
 A `Timeline` (a TorchDispatchMode) timestamps GEMMs and copies, P2P posts and the time spent blocked
 in Work.wait(); `overlap_efficiency` turns one rank's timeline into hidden / total communication.
-CPU clocks: on a GPU these are launch times; use torch.profiler / nsys there.
+An `IssueLog` records the order in which collectives were issued, GEMMs ran and waits returned: whether a
+collective had a GEMM under it, without clocks. CPU clocks: on a GPU these are launch times; use
+torch.profiler / nsys there.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 from tpkit.dispatch import MeasuringMode
+from tpkit.ledger import _OPS
 
 
 # -- per-rank timelines and overlap efficiency ----------------------------------------------------
@@ -21,7 +24,7 @@ _P2P = {"send", "recv_"}
 class Timeline(MeasuringMode):
     """Timestamps on this rank: compute ops (GEMMs and copies, merged), P2P posts, time blocked in Work.wait().
 
-    Work.wait is wrapped only while the timeline is active. CPU clocks: on a GPU, GEMM times here are
+    Work.wait is seen only while the timeline is active (MeasuringMode.on_wait). CPU clocks: on a GPU, GEMM times here are
     launch times; use torch.profiler / nsys there.
     """
 
@@ -30,23 +33,8 @@ class Timeline(MeasuringMode):
         self.events: list[tuple[str, float, float]] = []     # (kind, start, end), kind in gemm/post/wait
         self.t0 = time.perf_counter()
 
-    def __enter__(self):
-        work = torch._C._distributed_c10d.Work
-        self._orig_wait = orig = work.wait
-        events = self.events
-
-        def timed_wait(w, *a, **k):
-            s = time.perf_counter()
-            out = orig(w, *a, **k)
-            events.append(("wait", s, time.perf_counter()))
-            return out
-
-        work.wait = timed_wait
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch._C._distributed_c10d.Work.wait = self._orig_wait
-        return super().__exit__(*exc)
+    def on_wait(self, work, started, returned):
+        self.events.append(("wait", started, returned))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._opname
@@ -127,6 +115,83 @@ def overlap_efficiency(fn, x_s=None, comm_payload=None, group=None, reps=5):
             exposed.append(tl.blocked())
     return (statistics.median(effs), statistics.median(alone) if alone else float("nan"),
             statistics.median(exposed), tl)
+
+
+# -- the order of issues, GEMMs and waits ------------------------------------------------------------
+_OpType = torch._C._distributed_c10d.OpType
+_AG_TYPES = {int(getattr(_OpType, n)) for n in ("ALLGATHER", "_ALLGATHER_BASE", "ALLGATHER_COALESCED")}
+_P2P_TYPES = {int(getattr(_OpType, n)) for n in ("SEND", "RECV", "RECVANYSOURCE")}
+GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+
+
+class IssueLog(MeasuringMode):
+    """While active: the order in which this rank issued all-gathers / reduce-scatters, ran GEMMs and returned
+    from a wait (Work.wait, or wait_tensor for functional collectives). Launch order, not time: on a GPU use a
+    profiler. A wait's kind comes from its Work's op type (an all-gather or a send/recv type, else the
+    reduce-scatter: gloo's reduce_scatter_single has an UNKNOWN one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+        self._functional: list[tuple[torch.Tensor, str]] = []     # a functional collective's output, its kind
+
+    def on_wait(self, work, started, returned):
+        op = int(work._get_op_type())
+        self.events.append(("wait", "all_gather" if op in _AG_TYPES else "p2p" if op in _P2P_TYPES
+                            else "reduce_scatter"))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ns, name = func.namespace, func._opname
+        kind = _OPS.get(name) if ns in ("c10d", "_c10d_functional") else None
+        if kind in ("all_gather", "reduce_scatter"):
+            self.events.append(("issue", kind))
+            if ns == "_c10d_functional" and isinstance(out, torch.Tensor):
+                self._functional.append((out, kind))
+        elif ns == "_c10d_functional" and name == "wait_tensor":
+            got = args[0] if args else None
+            self.events.append(("wait", next((k for o, k in self._functional if o is got), "?")))
+        elif ns == "aten" and name in GEMM_OPS:
+            self.events.append(("gemm", name))
+        return out
+
+    def in_flight(self, op: str) -> list[int]:
+        """For each `op` issued, in order: the GEMMs run between issuing it and its wait (-1: never waited).
+
+        Waits of one kind are matched to the issues of that kind first in, first out."""
+        spans, open_ = [], []                   # open_: indices into spans still waiting for their wait
+        for kind, what in self.events:
+            if kind == "issue" and what == op:
+                spans.append(0)
+                open_.append(len(spans) - 1)
+            elif kind == "gemm":
+                for i in open_:
+                    spans[i] += 1
+            elif kind == "wait" and what == op and open_:
+                open_.pop(0)
+        return [-1 if i in open_ else n for i, n in enumerate(spans)]
+
+    def overlap_code(self, op: str) -> int:
+        """The first `op` issued: 1 = a GEMM ran between issuing and waiting on it, 0 = none did (serialised),
+        2 = never waited, 3 = never issued. A wait goes to the oldest open issue of its kind (of any kind when
+        its kind is unknown, "?")."""
+        issues, open_ = [], []                # issues: [kind, GEMMs while open, waited]; open_: their indices
+        for kind, what in self.events:
+            if kind == "issue":
+                issues.append([what, 0, False])
+                open_.append(len(issues) - 1)
+            elif kind == "gemm":
+                for i in open_:
+                    issues[i][1] += 1
+            elif kind == "wait":
+                i = next((i for i in open_ if what in ("?", issues[i][0])), None)
+                if i is not None:
+                    open_.remove(i)
+                    issues[i][2] = True
+        first = next((x for x in issues if x[0] == op), None)
+        if first is None:
+            return 3
+        return 2 if not first[2] else (1 if first[1] else 0)
 
 
 def plot_timelines(lanes_by_rank: dict, title: str, ax=None):

@@ -40,7 +40,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 12. the all-gather is posted (async_op=True) before the dgrad GEMM and waited after it; the reduce-scatter is
     posted before the wgrad GEMM and waited after it -> `overlap_ag`, `overlap_rs`: the order in which backward
     issued each collective, ran GEMMs (aten mm/addmm/bmm/baddbmm) and returned from Work.wait / wait_tensor,
-    recorded on the rank (grader.rank.week06._Schedule) (fixture serialized_backward_ag)
+    recorded on the rank (tpkit.timeline.IssueLog) (fixture serialized_backward_ag)
 12 rules stated; 8 checked before this issue, 12 checked now.
 Stated by the lab as reported, not graded: the ring's overlap (Tasks 1-3: post step k+1 before the GEMM of step k,
 wait after it). Timing on a shared CPU is not a fair grade; the ungraded cell reports it (fixture

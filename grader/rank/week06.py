@@ -3,7 +3,7 @@
 per block then reduce-scatter) in the "harness" phase the contract ignores, to report bit-exactness at
 t = 2; or build OverlapColumnParallelLinear / OverlapRowParallelLinear from the dense weight and return
 output, input grad and weight grad after forward and backward; or (Task 4) build SPColumnParallelLinear,
-record in which order its backward issued the all-gather / reduce-scatter, ran GEMMs and waited (`_Schedule`),
+record in which order its backward issued the all-gather / reduce-scatter, ran GEMMs and waited (tpkit.timeline.IssueLog),
 and recompute the non-overlapped version in the "harness" phase for bit-exactness. Every tensor handed to the
 student's code goes through ctx.hand: the rank entry fails the item if the code wrote into one of them."""
 from __future__ import annotations
@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tpkit.dispatch import MeasuringMode
-from tpkit.ledger import _OPS
+from tpkit.timeline import IssueLog
 
 
 # -- the non-overlapped version, with plain collectives (all_gather_single / reduce_scatter_single split
@@ -95,79 +94,6 @@ def run_linear(mod, cfg, inp, ctx):
 
 
 # -- the sequence-parallel column linear with Megatron's backward overlap (Task 4) ------------------------
-_OpType = torch._C._distributed_c10d.OpType
-_AG_TYPES = {int(getattr(_OpType, n)) for n in ("ALLGATHER", "_ALLGATHER_BASE", "ALLGATHER_COALESCED")}
-_P2P_TYPES = {int(getattr(_OpType, n)) for n in ("SEND", "RECV", "RECVANYSOURCE")}
-_GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
-
-
-class _Schedule(MeasuringMode):
-    """While active: the order in which this rank issued all-gathers / reduce-scatters, ran GEMMs and returned
-    from a wait (Work.wait, or wait_tensor for functional collectives). A wait's kind comes from its Work's
-    op type (an all-gather or a send/recv type, else the reduce-scatter: gloo's reduce_scatter_single has an
-    UNKNOWN one)."""
-
-    def __init__(self):
-        super().__init__()
-        self.events: list[tuple[str, str]] = []
-        self._functional: list[tuple[torch.Tensor, str]] = []     # a functional collective's output, its kind
-
-    def __enter__(self):
-        work = torch._C._distributed_c10d.Work
-        self._orig = orig = work.wait
-        events = self.events
-
-        def wait(w, *a, **k):
-            out = orig(w, *a, **k)
-            op = int(w._get_op_type())
-            kind = "all_gather" if op in _AG_TYPES else "p2p" if op in _P2P_TYPES else "reduce_scatter"
-            events.append(("wait", kind))
-            return out
-        work.wait = wait
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch._C._distributed_c10d.Work.wait = self._orig
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        ns, name = func.namespace, func._opname
-        kind = _OPS.get(name) if ns in ("c10d", "_c10d_functional") else None
-        if kind in ("all_gather", "reduce_scatter"):
-            self.events.append(("issue", kind))
-            if ns == "_c10d_functional" and isinstance(out, torch.Tensor):
-                self._functional.append((out, kind))
-        elif ns == "_c10d_functional" and name == "wait_tensor":
-            got = args[0] if args else None
-            self.events.append(("wait", next((k for o, k in self._functional if o is got), "?")))
-        elif ns == "aten" and name in _GEMMS:
-            self.events.append(("gemm", name))
-        return out
-
-    def overlap_code(self, op: str) -> int:
-        """The first `op` issued: 1 = a GEMM ran between issuing and waiting on it, 0 = none did (serialised),
-        2 = never waited, 3 = never issued. A wait goes to the oldest open issue of its kind (of any kind when
-        its kind is unknown, "?")."""
-        issues, open_ = [], []                # issues: [kind, GEMMs while open, waited]; open_: their indices
-        for kind, what in self.events:
-            if kind == "issue":
-                issues.append([what, 0, False])
-                open_.append(len(issues) - 1)
-            elif kind == "gemm":
-                for i in open_:
-                    issues[i][1] += 1
-            elif kind == "wait":
-                i = next((i for i in open_ if what in ("?", issues[i][0])), None)
-                if i is not None:
-                    open_.remove(i)
-                    issues[i][2] = True
-        first = next((x for x in issues if x[0] == op), None)
-        if first is None:
-            return 3
-        return 2 if not first[2] else (1 if first[1] else 0)
-
-
 def _saved_full_input(grad_fn, full_numel: int) -> bool:
     """Did forward keep a tensor the size of the gathered input (save_for_backward or a ctx attribute)?"""
     if grad_fn is None:
@@ -193,7 +119,7 @@ def run_sp_column(mod, cfg, inp, ctx):
     y = layer(x_s)
     saved_full = _saved_full_input(getattr(y, "grad_fn", None), inp["x"].numel())
     ctx.phase("backward")
-    with _Schedule() as sched:
+    with IssueLog() as sched:
         ctx.backward(y, dy)
     ctx.phase("harness")   # the non-overlapped version on untouched copies: same collectives, same GEMMs
     x_copy = ctx.handed[1][2]

@@ -58,23 +58,10 @@ def _prefetch_order(ledger):
             self.rs_inflight: dict[str, list] = {}  # phase -> [reduce-scatters in flight, per weight, at its GEMM]
             self._works: dict[int, list] = {}      # id(Work) -> its record (the Work is kept, so the id is unique)
 
-        def __enter__(self):
-            work_cls = torch._C._distributed_c10d.Work
-            self._inner_wait = inner = work_cls.wait
-            works = self._works
-
-            def wait(w, *a, **k):
-                rec = works.get(id(w))
-                if rec is not None:
-                    rec[1] = True
-                return inner(w, *a, **k)
-
-            work_cls.wait = wait
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            torch._C._distributed_c10d.Work.wait = self._inner_wait
-            return super().__exit__(*exc)
+        def on_wait(self, work, started, returned):
+            rec = self._works.get(id(work))
+            if rec is not None:
+                rec[1] = True
 
         def unwaited(self, phase):
             return sum(1 for _, waited in self.rs.get(phase, []) if not waited)
