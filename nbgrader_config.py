@@ -1,7 +1,7 @@
 """nbgrader for this course: solutions/ is the source, labs/ the release, grading is trusted."""
 import os
 
-from grader.job import EXECUTE_TIMEOUT, PG_TIMEOUT, job_wall_clock
+from grader.timeouts import EXECUTE_TIMEOUT, PG_TIMEOUT, job_wall_clock
 from grader.nbgrader_plugin import DeferredExecute, TrustedChecks
 from nbconvert.preprocessors import ClearMetadataPreprocessor
 from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, IgnorePattern, LimitOutput,

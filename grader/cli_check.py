@@ -17,20 +17,20 @@ def _execute(path: str, backend: str | None, out: str | None) -> str | None:
     import papermill as pm
     import shutil
     from grader.kernel_box import BoxedKernelManager, grading_kernel_env
-    work = tempfile.mkdtemp(prefix="grader-check-")
-    out = out or os.path.join(work, os.path.basename(path))
-    # run in a scratch folder: the notebook's %%writefile cells must not write beside the original
-    path = shutil.copy(path, os.path.join(work, "input-" + os.path.basename(path)))
-    params = {"BACKEND": backend} if backend else {}
-    try:
-        with warnings.catch_warnings(), grading_kernel_env():
-            warnings.simplefilter("ignore")
-            pm.execute_notebook(path, out, parameters=params, cwd=work, progress_bar=False, log_output=False,
-                                kernel_name="python3", kernel_manager_class=BoxedKernelManager)
-        return None
-    except Exception as exc:  # papermill stops at the first error; the checks below still run
-        first = str(exc).strip().splitlines()
-        return first[-1] if first else type(exc).__name__
+    # in a scratch folder: the notebook's %%writefile cells must not write beside the original
+    with tempfile.TemporaryDirectory(prefix="grader-check-") as work:
+        out = out or os.path.join(work, os.path.basename(path))
+        path = shutil.copy(path, os.path.join(work, "input-" + os.path.basename(path)))
+        params = {"BACKEND": backend} if backend else {}
+        try:
+            with warnings.catch_warnings(), grading_kernel_env():
+                warnings.simplefilter("ignore")
+                pm.execute_notebook(path, out, parameters=params, cwd=work, progress_bar=False, log_output=False,
+                                    kernel_name="python3", kernel_manager_class=BoxedKernelManager)
+            return None
+        except Exception as exc:  # papermill stops at the first error; the checks below still run
+            first = str(exc).strip().splitlines()
+            return first[-1] if first else type(exc).__name__
 
 
 def check_notebook(path: str, backend: str | None = None, execute: bool = True, out: str | None = None) -> int:

@@ -8,11 +8,11 @@
 Inside the sandbox JOBDIR is read-only and attemptK/out/ is the only folder a rank can write. Launch 0
 runs every item; a later launch runs, in fresh ranks, the items after one in which a rank process died.
 
-Timeouts nest: process group (PG_TIMEOUT) < job wall clock < + KILL_GRACE < nbgrader Execute.timeout.
+The launches themselves (sandbox, launcher, reading results back) are `grader.attempt`; the time limits,
+`grader.timeouts`.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -24,24 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grader.attempt import Attempt
 from grader.case import get_case
 from grader.compare import ItemVerdict, compare_item, is_comm_error, rank_list
-
-PG_TIMEOUT = 10.0          # a collective on tiny tensors that waits this long is a hang
-ITEM_TIMEOUT = 15          # one case on one rank (SIGALRM): Python-level loops and sleeps
-STARTUP = 60.0             # launcher, imports and rendezvous, with slack for a loaded 2-core box
-KILL_GRACE = 3.0
-STOP_GRACE = 1.0           # ranks of a grading job finish together: one that left this much earlier died
-EXECUTE_TIMEOUT = 900      # nbgrader per-cell limit; must exceed every job's wall clock + grace
+from grader.timeouts import ITEM_TIMEOUT, PG_TIMEOUT, job_wall_clock
 
 
 class GraderCannotRun(RuntimeError):
     """The harness itself failed (no rank started): nothing may be graded from such a run."""
-
-
-def job_wall_clock(n_items: int, pg_timeout: float = PG_TIMEOUT, item_timeout: float = ITEM_TIMEOUT) -> float:
-    # every item may burn one item timeout (a rank looping, its peers waiting for it)
-    return STARTUP + max(pg_timeout, item_timeout) * (n_items + 1)
 
 
 @dataclass
@@ -208,34 +198,11 @@ def _desync_group(results: dict) -> str | None:
     return None
 
 
-def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
-    """A rank's results, or why they cannot be trusted."""
-    import hashlib
-    if not os.path.exists(path):
-        return {}, None
-    with open(path, "rb") as f:
-        data = f.read()
-    if run is not None:     # every launcher relays what each rank declared it wrote
-        want = run.declared.get(rank, "")
-        if not want and run.timed_out:
-            return {}, None         # stopped before it could be relayed: unverified, not forged (a hang)
-        if want.split(" ")[-1] != hashlib.sha256(data).hexdigest():
-            return {}, (f"rank {rank}'s result file was written or changed by another process, not by rank {rank} "
-                        "itself: forged results are ignored.")
-    try:
-        import io
-        res = torch.load(io.BytesIO(data), weights_only=True)
-    except Exception:
-        return {}, (f"rank {rank}'s result file is not a plain tensor file (the safe loader refused it): "
-                    "results are ignored.")
-    return (res if isinstance(res, dict) else {}), None
-
-
 def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None = None,
                launcher: str | None = None, pg_timeout: float = PG_TIMEOUT, stream=None,
                wrap: tuple = (), keep: bool = False, fresh_seed: bool = True,
                sandbox: str | None = None, interactive: bool = False,
-               graded_together: list[list[str]] | None = None) -> Report:
+               graded_together: list[list[str]] | None = None, first: Attempt | None = None) -> Report:
     """Run the named checks on the student's module `sources` ({filename: text}) and compare here.
 
     All items run in one launch. When a rank process dies (abort, segfault, os._exit, out of memory) or
@@ -246,15 +213,22 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
     at t = 2 would hang again at t = 3 and 4, each costing a deadlock's detection and a fresh launch.
     sandbox: "auto" (bubblewrap + limits where available), "on" (fail without it) or "off";
     default: GRADER_SANDBOX, else "auto".
+    first: the job's first attempt, held since before this process imported torch
+    (`grader.attempt.hold_first_attempt(names, backend, sandbox, pg_timeout)`); used if the job agrees with it.
     """
     from launch import default_launcher, pick_backend
     t0 = time.monotonic()
-    items = plan_items(names, fresh_seed)
-    mode = sandbox or os.environ.get("GRADER_SANDBOX", "auto")
-    backend = pick_backend(max(it["t"] for it in items), backend)
-    launcher = default_launcher(backend, launcher, interactive=interactive and mode == "off")
-    jobdir = tempfile.mkdtemp(prefix="grader-job-")
+    jobdir = first.jobdir if first is not None else tempfile.mkdtemp(prefix="grader-job-")
+    runs, boxes = [], []
     try:
+        items = plan_items(names, fresh_seed)
+        mode = sandbox or os.environ.get("GRADER_SANDBOX", "auto")
+        backend = pick_backend(max(it["t"] for it in items), backend)
+        launcher = default_launcher(backend, launcher, interactive=interactive and mode == "off")
+        if first is not None and ((first.backend, first.launcher, first.mode) != (backend, launcher, mode)
+                                  or stream or wrap or interactive):
+            first.cancel()
+            first = None
         os.makedirs(os.path.join(jobdir, "student"))
         for fname, text in sources.items():
             with open(os.path.join(jobdir, "student", os.path.basename(fname)), "w") as f:
@@ -268,16 +242,21 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
                 inputs[it["id"]] = case.make_inputs(it["config"], gen)
                 refs[it["id"]] = case.reference(it["config"], {k: v.clone() for k, v in inputs[it["id"]].items()})
         torch.save(inputs, os.path.join(jobdir, "inputs.pt"))
+        spec = {"item_timeout": ITEM_TIMEOUT, "graded_together": graded_together or [],
+                "inputs": os.path.join(jobdir, "inputs.pt"), "student": os.path.join(jobdir, "student")}
         cases: dict[str, CaseVerdict] = {it["case"]: CaseVerdict(it["case"], True) for it in items}
         verdicts: dict[str, ItemVerdict] = {}
-        runs, boxes, pending = [], [], items
+        pending = items
         budget = job_wall_clock(len(items), pg_timeout, max(it["timeout"] for it in items))
         while pending:
-            run, box, results, judged = _attempt(jobdir, len(runs), pending, backend, launcher, mode, pg_timeout,
-                                                 stream, wrap, interactive, graded_together)
+            attempt = first if first is not None and not runs else Attempt(
+                jobdir, len(runs), backend=backend, launcher=launcher, mode=mode, stream=stream, wrap=wrap,
+                interactive=interactive)
+            run, results = attempt.run(pending, spec, pg_timeout=pg_timeout, timeout=job_wall_clock(
+                len(pending), pg_timeout, max(it["timeout"] for it in pending)))
             runs.append(run)
-            boxes.append(box)
-            for it in judged:
+            boxes.append(attempt.box)
+            for it in _judgeable(pending, run, results):
                 verdicts[it["id"]] = _judge(it, refs[it["id"]], results, run)
             left = [it for it in pending if it["id"] not in verdicts]
             failed_cases = {verdicts[i["id"]].case for i in items if i["id"] in verdicts
@@ -298,6 +277,8 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
         return Report(cases=cases, seconds=time.monotonic() - t0, runs=runs, jobdir=jobdir if keep else "",
                       sandbox=boxes[-1].describe())
     finally:
+        if first is not None and not runs:     # held, never run (the job failed before its first launch)
+            first.cancel()
         if not keep:
             shutil.rmtree(jobdir, ignore_errors=True)
 
@@ -320,53 +301,19 @@ def _skipped(item: dict, failed_cases: set[str], graded_together) -> ItemVerdict
         + ": its points are lost either way, so the grader did not run it again."])
 
 
-def _attempt(jobdir, k, items, backend, launcher, mode, pg_timeout, stream, wrap, interactive, graded_together):
-    """One launch of `items` in fresh ranks. Returns (run, box, results, the items it can judge)."""
-    from launch import run as launch_run
-    from grader import ROOT
-    from grader.sandbox import Sandbox, give_to
-    world = max(it["t"] for it in items)
-    here = os.path.join(jobdir, f"attempt{k}")
-    outdir = os.path.join(here, "out")          # the only folder the ranks may write
-    os.makedirs(outdir)
-    with open(os.path.join(here, "spec.json"), "w") as f:
-        json.dump({"items": items, "pg_timeout": pg_timeout, "item_timeout": ITEM_TIMEOUT,
-                   "graded_together": graded_together or [],
-                   "inputs": os.path.join(jobdir, "inputs.pt"), "student": os.path.join(jobdir, "student")}, f)
-    box = Sandbox(readable=[jobdir], writable=[outdir], chdir=outdir, setpriv=launcher == "torchrun", mode=mode)
-    with box:
-        give_to(jobdir, box.uid)       # read-only inside the box; the unprivileged uid must still enter it
-        give_to(here, box.uid)
-        run = launch_run("grader.rank.entry", world, [here], backend=backend, launcher=launcher,
-                         timeout=job_wall_clock(len(items), pg_timeout, max(it["timeout"] for it in items)),
-                         kill_grace=KILL_GRACE, pg_timeout=pg_timeout, stream=stream,
-                         # once, before the fork: what backward() imports lazily (sympy, ~0.5 s per process),
-                         # each week's run functions and what they import (e.g. DTensor)
-                         preload=("torch.fx.experimental.symbolic_shapes", "grader.rank.entry",
-                                  *dict.fromkeys(f"grader.rank.{it['case'].split('/')[0]}" for it in items)),
-                         wrap=tuple(box.prefix) + tuple(wrap), base_env=box.base_env(os.environ),
-                         env={"PYTHONPATH": _pythonpath(ROOT), "COURSE_STOP_GRACE": str(STOP_GRACE), **box.env},
-                         cwd=outdir, interactive=interactive)
-    results = {"ranks": {}, "progress": {}, "untrusted": {}, "world": world}
-    for r in range(world):
-        results["ranks"][r], why = _load_rank_file(os.path.join(outdir, f"rank{r}.pt"), r, run)
-        if why:
-            results["untrusted"][r] = why
-        try:
-            with open(os.path.join(outdir, f"rank{r}.progress")) as f:
-                results["progress"][r] = json.load(f)
-        except (OSError, ValueError):
-            results["progress"][r] = {}
+def _judgeable(items: list[dict], run, results: dict) -> list[dict]:
+    """The items a launch lets us judge: all, unless a rank did not reach its end (died, was killed, left
+    with os._exit, hung); then those complete and the one it stopped in. The rest run again, fresh."""
+    world = results["world"]
     if not any(results["progress"].values()) and not run.ok:
         # no rank ever reached the harness: a broken installation or sandbox, not the student's code
         raise GraderCannotRun(f"the grader could not start its ranks ({run.root_cause()[-1500:]})")
     complete = [_complete(it, results) for it in items]
-    # a rank that did not reach the end of the launch (died, was killed, left with os._exit, hung)
     ended_early = run.timed_out or any(results["progress"][r].get("phase") != "done" for r in range(world))
     if not ended_early or all(complete):
-        return run, box, results, items
-    first = complete.index(False)     # the item a rank died or hung in: judged now, the rest run again
-    return run, box, results, [it for it, done in zip(items, complete) if done] + [items[first]]
+        return items
+    first = complete.index(False)
+    return [it for it, done in zip(items, complete) if done] + [items[first]]
 
 
 def _participants(it: dict, world: int) -> list[int]:
@@ -398,8 +345,3 @@ def _judge(it: dict, ref: dict, results: dict, run) -> ItemVerdict:
     if d and not v.passed:
         v.problems.insert(0, d)
     return v
-
-
-def _pythonpath(root: str) -> str:
-    old = os.environ.get("PYTHONPATH", "")
-    return root + (os.pathsep + old if old else "")

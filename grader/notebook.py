@@ -62,17 +62,20 @@ def grade_cells(nb) -> list[tuple[int, dict, list[str], float]]:
 
 def run_trusted(nb, log=None):
     """Run all grade-cell checks of `nb` outside the kernel; returns (cells, report or exception)."""
-    from grader.job import run_checks
+    from grader.attempt import hold_first_attempt
     cells = grade_cells(nb)
     names: list[str] = []
     for _, _, ns, _ in cells:
         names += [n for n in ns if n not in names]
     if not names:
         return cells, None
+    first = hold_first_attempt(names)     # its launcher imports torch while this process does
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            report = run_checks(names, module_sources(nb), graded_together=[list(ns) for _, _, ns, _ in cells])
+            from grader.job import run_checks
+            report = run_checks(names, module_sources(nb), graded_together=[list(ns) for _, _, ns, _ in cells],
+                                first=first)
         except Exception as exc:  # the grader itself failed: never a silent pass
             if log:
                 log.error("trusted checks failed to run: %s", exc)

@@ -7,7 +7,10 @@ torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), so `init_process
 with env:// rendezvous behaves the same. CPU/gloo only: CUDA does not survive fork.
 
     python -m launch.forkrun --nproc 4 (-m MODULE | SCRIPT) [ARGS...]
+    python -m launch.forkrun --hold ...   # imports first, then reads {"nproc": N, "env": {...}} on stdin
 
+--hold lets a caller start the launcher (torch and the preloads, ~2 s) before it knows the job: the
+grader starts it while its own process imports torch and makes the job's inputs, then releases it.
 The last line it prints, "@@status {json}", gives each rank's exit status.
 """
 import argparse
@@ -86,6 +89,9 @@ def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd, res
     os.dup2(write_fd, 1)
     os.dup2(write_fd, 2)
     os.close(write_fd)
+    null = os.open(os.devnull, os.O_RDONLY)   # not the launcher's stdin (a held launcher's job channel)
+    os.dup2(null, 0)
+    os.close(null)
     os.environ.update(torchrun_env(rank, nproc, port, run_id))
     # a private channel to this launcher: what a rank declares here cannot come from another rank
     os.environ["COURSE_RESULT_FD"] = str(result_fd)
@@ -117,7 +123,9 @@ def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd, res
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.forkrun")
-    p.add_argument("--nproc", type=int, required=True)
+    p.add_argument("--nproc", type=int)
+    p.add_argument("--hold", action="store_true", help="after the imports, read the job on stdin: one JSON line "
+                   '{"nproc": N, "env": {...}}; end of input instead: leave without running anything')
 
     p.add_argument("--preload", default="", help="comma-separated modules to import before forking (what the "
                    "ranks need beyond torch, e.g. torch._dynamo for DTensor: ~2 s, paid once, not once per rank)")
@@ -130,7 +138,17 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     for name in filter(None, a.preload.split(",")):
         importlib.import_module(name)
-    return launch_ranks(a.nproc, a.target, a.module, a.args)
+    nproc = a.nproc
+    if a.hold:
+        line = sys.stdin.readline()
+        if not line:        # the caller gave the job up
+            return 0
+        job = json.loads(line)
+        nproc = job["nproc"]
+        os.environ.update(job.get("env", {}))
+    if not nproc or nproc < 1:
+        p.error("give --nproc N (N >= 1), or --hold and the job on stdin")
+    return launch_ranks(nproc, a.target, a.module, a.args)
 
 
 def launch_ranks(nproc: int, target: str, is_module: bool, args: list[str]) -> int:

@@ -187,19 +187,37 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
     """
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
-    backend = pick_backend(nproc, backend)
+    return start(target, nproc, args, module=module, backend=backend, launcher=launcher, timeout=timeout,
+                 kill_grace=kill_grace, env=env, cwd=cwd, stream=stream, preload=preload, wrap=wrap,
+                 pg_timeout=pg_timeout, interactive=interactive, base_env=base_env).wait()
+
+
+def start(target: str, nproc: int | None, args: Sequence[str] = (), *, module: bool = True,
+          backend: str | None = None, launcher: str | None = None, timeout: float = 120.0,
+          kill_grace: float = 3.0, env: dict | None = None, cwd: str | None = None,
+          stream: Callable[[str], None] | None = None, preload: Sequence[str] = (),
+          wrap: Sequence[str] = (), pg_timeout: float | None = None, interactive: bool = False,
+          base_env: dict | None = None) -> "Launch":
+    """Start what `run` runs; `.wait()` gives its RunResult.
+
+    nproc=None holds the job (fork launcher only): the launcher starts now and imports torch and
+    `preload`, but forks no rank until `.release(nproc, timeout)`; `timeout` then counts from the release.
+    """
+    held = nproc is None
+    backend = "gloo" if held else pick_backend(nproc, backend)
     launcher = default_launcher(backend, launcher, interactive=interactive and not wrap)
+    if held and launcher != "fork":
+        raise ValueError(f"only the fork launcher can hold a job (this one is {launcher!r})")
     job_id = uuid.uuid4().hex
     full_env = dict(os.environ if base_env is None else base_env)
     full_env.update(rank_env(backend, pg_timeout))
     full_env["COURSE_JOB_ID"] = job_id
-    # the fork/warm launcher stops itself at this moment (CLOCK_MONOTONIC is one clock for the whole machine),
-    # a little before this process would, so that it can still relay what the ranks declared
-    full_env["COURSE_DEADLINE"] = str(time.monotonic() + max(1.0, timeout - 2.0))
+    if not held:
+        full_env["COURSE_DEADLINE"] = _deadline(timeout)
     full_env.update(env or {})
     py = [sys.executable]
     if launcher == "fork":
-        cmd = [*wrap, *py, "-m", "launch.forkrun", "--nproc", str(nproc)]
+        cmd = [*wrap, *py, "-m", "launch.forkrun"] + (["--hold"] if held else ["--nproc", str(nproc)])
         if preload:
             cmd += ["--preload", ",".join(preload)]
     else:
@@ -207,7 +225,6 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
                "--nproc-per-node", str(nproc), "--tee", "3"]
     cmd += (["-m", target] if module else [target]) + list(args)
 
-    t0 = time.monotonic()
     if launcher == "warm":
         if wrap:
             raise ValueError("the warm launcher cannot run inside a wrapper (sandbox): use launcher='fork'")
@@ -215,125 +232,180 @@ def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = Tru
                          "cwd": os.path.abspath(cwd or os.getcwd()), "preload": list(preload)})
         cmd = ["<warm>", target, *args]
     else:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.PIPE if held else subprocess.DEVNULL,
                                 env=full_env, cwd=cwd, start_new_session=True)
-    lines: list[str] = []
-    timed_out = False
-    deadline = t0 + timeout
-    os.set_blocking(proc.stdout.fileno(), False)
-    buf = b""
-    import selectors
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    max_bytes, seen_bytes, truncated = 2_000_000, 0, False
+    return Launch(proc=proc, cmd=cmd, nproc=nproc, backend=backend, launcher=launcher, job_id=job_id,
+                  timeout=timeout, kill_grace=kill_grace, stream=stream)
 
-    declared: dict[int, str] = {}
-    status: dict = {}
 
-    def emit(raw: bytes):
-        nonlocal seen_bytes, truncated
-        line = raw.decode("utf-8", "replace")
-        if line.startswith("@@status "):
-            try:
-                status.update(json.loads(line[len("@@status "):]))
-            except ValueError:
-                pass
-            return
-        if line.startswith("@@result "):
-            _, r, rest = line.split(" ", 2)
-            declared[int(r)] = rest
-            return
-        m = _TORCHRUN_PREFIX.match(line)
-        if m:
-            line = f"[rank {m.group(1)}] " + line[m.end():]
-            body = line.split("] ", 1)[1] if "] " in line else ""
-            if launcher == "torchrun" and body.startswith("@@result "):
-                # torchrun has no private channel per rank: a rank declares on its own (prefixed) stdout
-                declared[int(m.group(1))] = body[len("@@result "):].strip()
+def _deadline(timeout: float) -> str:
+    # the fork/warm launcher stops itself at this moment (CLOCK_MONOTONIC is one clock for the whole machine),
+    # a little before this process would, so that it can still relay what the ranks declared
+    return str(time.monotonic() + max(1.0, timeout - 2.0))
+
+
+@dataclass
+class Launch:
+    """A started job (see `start`)."""
+    proc: object
+    cmd: list
+    nproc: int | None
+    backend: str
+    launcher: str
+    job_id: str
+    timeout: float
+    kill_grace: float
+    stream: Callable[[str], None] | None = None
+    t0: float = field(default_factory=time.monotonic)
+
+    def release(self, nproc: int, timeout: float):
+        """Give a held launcher its job: fork `nproc` ranks now, stop them `timeout` seconds from now."""
+        if nproc < 1:
+            raise ValueError(f"nproc must be at least 1, got {nproc}")
+        self.nproc, self.timeout, self.t0 = nproc, timeout, time.monotonic()
+        job = {"nproc": nproc, "env": {"COURSE_DEADLINE": _deadline(timeout)}}
+        try:
+            self.proc.stdin.write(json.dumps(job).encode() + b"\n")
+            self.proc.stdin.close()
+        except BrokenPipeError:     # the launcher is already gone: wait() reports how it ended
+            pass
+
+    def cancel(self):
+        """Give up a held job: the launcher is stopped before it forks anything; nothing of it is left running."""
+        _killpg(self.proc.pid, signal.SIGKILL)
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        self.proc.wait()
+        self.proc.stdout.close()
+        kill_job_processes(self.job_id)
+
+    def wait(self) -> RunResult:
+        """Relay the job's output until it ends (or its timeout, then stop it); nothing is left running."""
+        if self.nproc is None:
+            raise RuntimeError("this launch is held: release(nproc, timeout) it before wait()")
+        proc, launcher, nproc, job_id, kill_grace, stream = (self.proc, self.launcher, self.nproc, self.job_id,
+                                                             self.kill_grace, self.stream)
+        cmd, backend, t0 = self.cmd, self.backend, self.t0
+        lines: list[str] = []
+        timed_out = False
+        deadline = t0 + self.timeout
+        os.set_blocking(proc.stdout.fileno(), False)
+        buf = b""
+        import selectors
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        max_bytes, seen_bytes, truncated = 2_000_000, 0, False
+
+        declared: dict[int, str] = {}
+        status: dict = {}
+
+        def emit(raw: bytes):
+            nonlocal seen_bytes, truncated
+            line = raw.decode("utf-8", "replace")
+            if line.startswith("@@status "):
+                try:
+                    status.update(json.loads(line[len("@@status "):]))
+                except ValueError:
+                    pass
                 return
-        seen_bytes += len(raw)
-        if seen_bytes > max_bytes:  # a rank printing without end must not fill memory
-            if not truncated:
-                truncated = True
-                lines.append("[launch] output truncated after 2 MB")
-            return
-        lines.append(line)
-        if stream:
-            stream(line)
+            if line.startswith("@@result "):
+                _, r, rest = line.split(" ", 2)
+                declared[int(r)] = rest
+                return
+            m = _TORCHRUN_PREFIX.match(line)
+            if m:
+                line = f"[rank {m.group(1)}] " + line[m.end():]
+                body = line.split("] ", 1)[1] if "] " in line else ""
+                if launcher == "torchrun" and body.startswith("@@result "):
+                    # torchrun has no private channel per rank: a rank declares on its own (prefixed) stdout
+                    declared[int(m.group(1))] = body[len("@@result "):].strip()
+                    return
+            seen_bytes += len(raw)
+            if seen_bytes > max_bytes:  # a rank printing without end must not fill memory
+                if not truncated:
+                    truncated = True
+                    lines.append("[launch] output truncated after 2 MB")
+                return
+            lines.append(line)
+            if stream:
+                stream(line)
 
-    open_pipe = True
-    while open_pipe:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            timed_out = True
-            break
-        for _key, _ in sel.select(timeout=min(remaining, 0.1)):
-            try:
-                chunk = proc.stdout.read(65536)
-            except BlockingIOError:
-                continue
-            if not chunk:
-                open_pipe = False
+        open_pipe = True
+        while open_pipe:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
                 break
-            buf += chunk
-            *done, buf = buf.split(b"\n")
-            for raw in done:
-                emit(raw)
-        if proc.poll() is not None and not sel.select(timeout=0):
-            # the launcher exited; drain what is left
+            for _key, _ in sel.select(timeout=min(remaining, 0.1)):
+                try:
+                    chunk = proc.stdout.read(65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    open_pipe = False
+                    break
+                buf += chunk
+                *done, buf = buf.split(b"\n")
+                for raw in done:
+                    emit(raw)
+            if proc.poll() is not None and not sel.select(timeout=0):
+                # the launcher exited; drain what is left
+                try:
+                    rest = proc.stdout.read() or b""
+                except BlockingIOError:
+                    rest = b""
+                buf += rest
+                open_pipe = False
+        if buf:
+            for raw in buf.split(b"\n"):
+                if raw:
+                    emit(raw)
+        if timed_out:
+            _killpg(proc.pid, signal.SIGTERM)
             try:
-                rest = proc.stdout.read() or b""
-            except BlockingIOError:
-                rest = b""
-            buf += rest
-            open_pipe = False
-    if buf:
-        for raw in buf.split(b"\n"):
-            if raw:
-                emit(raw)
-    if timed_out:
-        _killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=kill_grace)
+            except subprocess.TimeoutExpired:
+                pass
+            _killpg(proc.pid, signal.SIGKILL)
         try:
             proc.wait(timeout=kill_grace)
         except subprocess.TimeoutExpired:
-            pass
-        _killpg(proc.pid, signal.SIGKILL)
-    try:
-        proc.wait(timeout=kill_grace)
-    except subprocess.TimeoutExpired:
-        _killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    _killpg(proc.pid, signal.SIGKILL)  # ranks the launcher left behind
-    leftovers = kill_job_processes(job_id)
-    if timed_out:   # what the launcher said on its way out (the ranks' declarations)
-        try:
-            rest = proc.stdout.read() or b""
-        except (BlockingIOError, OSError, ValueError):
-            rest = b""
-        for raw in rest.split(b"\n"):
-            if raw:
-                emit(raw)
-    sel.close()
-    proc.stdout.close()
-    seconds = time.monotonic() - t0
+            _killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _killpg(proc.pid, signal.SIGKILL)  # ranks the launcher left behind
+        leftovers = kill_job_processes(job_id)
+        if timed_out:   # what the launcher said on its way out (the ranks' declarations)
+            try:
+                rest = proc.stdout.read() or b""
+            except (BlockingIOError, OSError, ValueError):
+                rest = b""
+            for raw in rest.split(b"\n"):
+                if raw:
+                    emit(raw)
+        sel.close()
+        proc.stdout.close()
+        seconds = time.monotonic() - t0
 
-    exitcodes: dict[int, int] = {}
-    first, order = None, []
-    if launcher == "warm":
-        proc.returncode = 0 if status and status.get("first_failure") is None else 1
-    if launcher in ("fork", "warm") and status:
-        exitcodes = {int(k): v for k, v in status["exitcodes"].items()}
-        first = status["first_failure"]
-        order = [int(r) for r in status.get("order", [])]
-        timed_out = timed_out or bool(status.get("timed_out"))
-    elif launcher == "torchrun":
-        exitcodes = {r: 0 for r in range(nproc)} if proc.returncode == 0 else {}
-        text = "\n".join(lines)
-        for m in re.finditer(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", text):
-            exitcodes[int(m.group(1))] = int(m.group(2))
-        rc = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", text, re.S)
-        first = int(rc.group(1)) if rc else None
-    returncode = proc.returncode if not timed_out else 124
-    return RunResult(returncode=returncode, exitcodes=exitcodes, output="\n".join(lines), timed_out=timed_out,
-                     seconds=seconds, nproc=nproc, backend=backend, launcher=launcher, first_failure=first,
-                     leftovers_killed=leftovers, command=cmd, declared=declared, job_id=job_id, order=order)
+        exitcodes: dict[int, int] = {}
+        first, order = None, []
+        if launcher == "warm":
+            proc.returncode = 0 if status and status.get("first_failure") is None else 1
+        if launcher in ("fork", "warm") and status:
+            exitcodes = {int(k): v for k, v in status["exitcodes"].items()}
+            first = status["first_failure"]
+            order = [int(r) for r in status.get("order", [])]
+            timed_out = timed_out or bool(status.get("timed_out"))
+        elif launcher == "torchrun":
+            exitcodes = {r: 0 for r in range(nproc)} if proc.returncode == 0 else {}
+            text = "\n".join(lines)
+            for m in re.finditer(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", text):
+                exitcodes[int(m.group(1))] = int(m.group(2))
+            rc = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", text, re.S)
+            first = int(rc.group(1)) if rc else None
+        returncode = proc.returncode if not timed_out else 124
+        return RunResult(returncode=returncode, exitcodes=exitcodes, output="\n".join(lines), timed_out=timed_out,
+                         seconds=seconds, nproc=nproc, backend=backend, launcher=launcher, first_failure=first,
+                         leftovers_killed=leftovers, command=cmd, declared=declared, job_id=job_id, order=order)

@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -10,6 +12,12 @@ os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.g
 
 
 def pytest_configure(config):
+    # `make test` relies on --dist loadgroup keeping each xdist_group on one worker; pytest 9.2 silently stops
+    # that (pytest-dev/pytest-xdist#1386), and the e2e tests would build one site on two workers at once
+    version = tuple(int(x) for x in pytest.__version__.split(".")[:2])
+    if getattr(config.option, "dist", None) == "loadgroup" and version >= (9, 2):
+        raise pytest.UsageError(f"pytest {pytest.__version__} breaks --dist loadgroup: install the versions "
+                                "pyproject.toml pins (pip install -e '.[dev]')")
     config.addinivalue_line("markers", "serial: timed; `make test` runs these alone, after the parallel pass")
 
 
@@ -31,3 +39,4 @@ def pytest_terminal_summary(terminalreporter):
     tr.write_line(f"{'case':<34} {'seconds':>7} {'left':>4}  verdict per grade cell")
     for case, verdict, secs, left in sorted(_CORPUS_ROWS):
         tr.write_line(f"{case:<34} {secs:>7.1f} {left:>4}  {verdict}")
+

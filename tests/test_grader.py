@@ -5,7 +5,7 @@ import torch
 
 from grader.case import Contract
 from grader.compare import check_contract, compare_tensor, describe_error, is_comm_error
-from grader.job import EXECUTE_TIMEOUT, KILL_GRACE, PG_TIMEOUT, job_wall_clock
+from grader.timeouts import EXECUTE_TIMEOUT, KILL_GRACE, PG_TIMEOUT, job_wall_clock
 from tpkit.ledger import CommLedger, ring_bytes_sent
 from grader.notebook import check_names, grade_cells, module_sources
 
@@ -216,3 +216,14 @@ def test_self_check_says_early_that_course_code_will_be_missing(tmp_path, monkey
     (tmp_path / "tp_linear.py").write_text("from reference.tp_layers import ColumnParallelLinear, RowParallelLinear\n")
     with pytest.raises(AssertionError, match=r"tp_linear.py line 1 imports `reference.tp_layers`.*score 0"):
         check("week02/column_parallel")
+
+
+def test_progress_file_rewritten_in_place(tmp_path):
+    """A shorter state written over a longer one reads back whole (no stale tail), as does an empty file."""
+    from tpkit.progress import ProgressFile, read_progress
+    path = str(tmp_path / "rank0.progress")
+    assert read_progress(path) == {}
+    ProgressFile.at(path).write({"item": "week02/mlp@t2", "where": "waiting", "op": "all_reduce", "index": 12})
+    ProgressFile.at(path).write({"where": "done"})
+    assert read_progress(path) == {"where": "done"}
+    assert ProgressFile.at(path) is ProgressFile.at(path)      # the ledger and the watch share one writer

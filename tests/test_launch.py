@@ -123,3 +123,28 @@ def test_every_launcher_gives_the_same_verdict():
         assert rep.passed, rep.cases["week02/mlp"].message()
         tables[launcher] = [(it.t, it.max_err, it.comm) for it in rep.cases["week02/mlp"].items]
     assert tables["warm"] == tables["fork"] == tables["torchrun"]
+
+
+def test_held_launcher_runs_the_job_it_is_released_with(script):
+    """A held fork launcher imports first and forks only on release; its timeout counts from the release."""
+    import time
+    from launch.runner import start
+    held = start(script, None, module=False, launcher="fork", timeout=0.0)
+    time.sleep(1.0)                               # the caller prepares the job meanwhile
+    held.release(3, timeout=60)
+    res = held.wait()
+    assert res.ok, res.output
+    assert [("env True sum 3" in res.rank_output(r)) for r in range(3)] == [True] * 3
+    assert "--hold" in res.command
+    with pytest.raises(ValueError, match="only the fork launcher can hold"):
+        start(script, None, module=False, launcher="warm")
+
+
+def test_held_launcher_given_up_leaves_nothing(script):
+    from launch.runner import job_processes, start
+    held = start(script, None, module=False, launcher="fork")
+    with pytest.raises(RuntimeError, match="held"):
+        held.wait()
+    held.cancel()
+    assert held.proc.returncode is not None
+    assert not job_processes(held.job_id) and not job_processes_alive(script)

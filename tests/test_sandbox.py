@@ -182,3 +182,24 @@ def test_a_job_sees_nothing_of_the_previous_one():
     assert not _marked_processes(), "a process of the first job outlived it"
     second = run_checks(["week02/column_parallel"], {"tp_linear.py": LOOK_BACK + module}, sandbox="on")
     assert second.passed, second.cases["week02/column_parallel"].message()
+
+
+def test_first_launch_held_while_the_grader_imports():
+    """run_trusted's first launch is started (held) before the trusted process has torch, then released with
+    the job; a held launch the job does not agree with is given up, leaving nothing behind."""
+    from grader.attempt import hold_first_attempt
+    from grader.job import run_checks
+    from launch.runner import job_processes
+    from tests.corpus import solution_modules
+    src = solution_modules("week02")
+    names = ["week02/column_parallel"]
+    assert hold_first_attempt(["../etc/column_parallel"]) is None      # a name no week has: no launch
+    held = hold_first_attempt(names, sandbox="on")
+    rep = run_checks(names, src, sandbox="on", first=held)
+    assert rep.passed, rep.cases[names[0]].message()
+    assert "--hold" in rep.runs[0].command and not job_processes(rep.runs[0].job_id)
+    held = hold_first_attempt(names, sandbox="on")
+    rep = run_checks(names, src, sandbox="off", first=held)           # the job decides otherwise
+    assert rep.passed and "--hold" not in rep.runs[0].command
+    assert held.launch.proc.returncode is not None and not job_processes(held.launch.job_id)
+    assert not os.path.exists(held.here)

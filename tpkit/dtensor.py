@@ -11,16 +11,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tpkit.ledger import CommLedger
-from tpkit.models import ModelConfig
-
-
-def week07_config(**kw) -> ModelConfig:
-    """The course model, sized so every head count divides t = 2 and 4 (GQA: 8 query, 4 kv heads)."""
-    d = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=8, num_key_value_heads=4)
-    d.update(kw)
-    return ModelConfig(**d)
 
 
 def tp_mesh_for(group, device_type: str = "cpu"):
@@ -69,17 +59,6 @@ def unsharded_linears(model: torch.nn.Module) -> list[str]:
         if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and not isinstance(m.weight, DTensor):
             out.append(name)
     return out
-
-
-# CommLedger itself now sees collectives issued inside DTensor ops and sizes functional collectives
-# by their own group; the name stays for the lectures that import it.
-CommLedger = CommLedger
-
-
-@contextmanager
-def see_dtensor_collectives(ledger: CommLedger):
-    """Kept for the cases that use it: every CommLedger is DTensor-aware now."""
-    yield ledger
 
 
 @contextmanager

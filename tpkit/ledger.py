@@ -12,12 +12,11 @@ gathered size), send N.
 """
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
 
 import torch
 from tpkit.dispatch import MeasuringMode
+from tpkit.progress import ProgressFile
 
 # dispatcher op name -> the course's name for it
 _OPS = {
@@ -70,7 +69,7 @@ def ring_bytes_sent(op: str, full_bytes: int, t: int) -> float:
 class CommLedger(MeasuringMode):
     """Record collectives. `phase` tags entries (e.g. "forward", "backward").
 
-    progress_file: rewritten before and after each collective, so a trusted process can say
+    progress_file: rewritten (`tpkit.progress`) before and after each collective, so a trusted process can say
     where a rank was when a job hung ("rank 2 was still in all_reduce #3 (forward)").
     """
 
@@ -94,10 +93,7 @@ class CommLedger(MeasuringMode):
         if entry is not None:
             state["op"] = entry["op"]
             state["index"] = entry["index"]
-        tmp = self.progress_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, self.progress_file)
+        ProgressFile.at(self.progress_file).write(state)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

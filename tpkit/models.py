@@ -32,6 +32,14 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
 
+def week07_config(**kw) -> ModelConfig:
+    """The course model, sized so every head count divides t = 2 and 4 (GQA: 8 query, 4 kv heads)."""
+    d = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=4)
+    d.update(kw)
+    return ModelConfig(**d)
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight (Zhang & Sennrich 2019); the weight is replicated under TP."""
 

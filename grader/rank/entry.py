@@ -23,6 +23,7 @@ from grader.rank.context import GradingError, RankContext
 from grader.rank.seal import Seal, Tampered
 from grader.rank.watch import Deadlock, Watch
 from tpkit.ledger import CommLedger
+from tpkit.progress import ProgressFile
 
 
 def user_traceback(exc: BaseException, student_dir: str) -> str:
@@ -105,8 +106,7 @@ def main(attempt: str) -> int:
         runners[item["id"]] = getattr(week, item["run_rank"])
     seal = Seal()        # after the harness's imports, before the student's
     for name in dict.fromkeys(it["module"] for it in spec["items"]):
-        with open(progress, "w") as f:
-            json.dump({"item": None, "phase": "import", "where": f"importing {name}"}, f)
+        ProgressFile.at(progress).write({"item": None, "phase": "import", "where": f"importing {name}"})
         try:
             modules[name] = importlib.import_module(name)
         except BaseException as exc:   # noqa: BLE001  (SystemExit at import is the student's too)
@@ -145,8 +145,7 @@ def main(attempt: str) -> int:
         ctx = RankContext(rank=ranks.index(rank), world_size=item["t"],
                           group=group, device=device, ledger=ledger)
         res = {"group": ranks, "tensors": {}, "params": {}, "ledger": [], "error": "", "seconds": 0.0}
-        with open(progress, "w") as f:
-            json.dump({"item": item["id"], "phase": "import", "where": "importing your module"}, f)
+        ProgressFile.at(progress).write({"item": item["id"], "phase": "import", "where": "importing your module"})
         t0 = time.perf_counter()
         item_timeout = int(item.get("timeout", spec.get("item_timeout", 15)))
 
@@ -191,8 +190,7 @@ def main(attempt: str) -> int:
         dist.all_reduce(torch.zeros(1), group=control)
     except Exception:
         pass
-    with open(progress, "w") as f:
-        json.dump({"item": None, "phase": "done", "where": "finished"}, f)
+    ProgressFile.at(progress).write({"item": None, "phase": "done", "where": "finished"})
     # no destroy_process_group(): it would wait (up to the process-group timeout) for the collectives a
     # deadlocked item abandoned; the process ends here and takes gloo's threads with it
     return 0

@@ -17,7 +17,7 @@ import torch
 
 # the harness's measuring code and what it stands on; the light ones are imported to be sealed, the
 # others (DTensor's helpers) are sealed when the week's run functions imported them
-MEASURING = ("tpkit.dispatch", "tpkit.ledger", "tpkit.gather_watch", "tpkit.timeline", "tpkit.pipeline")
+MEASURING = ("tpkit.dispatch", "tpkit.ledger", "tpkit.progress", "tpkit.gather_watch", "tpkit.timeline", "tpkit.pipeline")
 SEALED = MEASURING + ("tpkit.dtensor", "grader.rank.context", "grader.rank.watch",
                       "torch.distributed.distributed_c10d", "torch.utils._python_dispatch")
 

@@ -14,12 +14,13 @@ a rank blocked where no Work is waited on, e.g. a functional collective).
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 
 import torch
+
+from tpkit.progress import ProgressFile, read_progress
 
 STABLE_S = 0.5           # the same all-blocked picture this long (a collective completes in ms) means none will
 STABLE_P2P_S = 3.0       # ... and when every wait is a send/recv, whose data may still be on the way
@@ -75,17 +76,10 @@ class Watch:
         self.item = None
 
     def _write(self, state: dict):
-        path = self.progress_path(self.job_rank)
-        with open(path + ".tmp", "w") as f:
-            json.dump(state, f)
-        os.replace(path + ".tmp", path)
+        ProgressFile.at(self.progress_path(self.job_rank)).write(state)
 
     def _read(self, job_rank: int) -> dict:
-        try:
-            with open(self.progress_path(job_rank)) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {}
+        return read_progress(self.progress_path(job_rank))
 
     def _wait(self, work):
         if work.is_completed():

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from tpkit.models import DecoderLayer, ForCausalLM, init_weights
+from tpkit.models import DecoderLayer, ForCausalLM, init_weights, week07_config
 
 
 def _warm_imports():
@@ -44,7 +44,6 @@ MIXED_HINT = ("A DTensor met a plain tensor: some layer of the plan is missing o
 
 
 def _cfg(cfg):
-    from tpkit.dtensor import week07_config
     return week07_config(**cfg["model"])
 
 
@@ -88,7 +87,7 @@ def run_plan(mod, cfg, inp, ctx):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from tpkit.dtensor import local_grad, see_dtensor_collectives, tp_mesh_for
+    from tpkit.dtensor import local_grad, tp_mesh_for
 
     mc = _cfg(cfg)
     seed = int(inp["init_seed"][0])
@@ -102,35 +101,34 @@ def run_plan(mod, cfg, inp, ctx):
     _require_sharded(model)
     out = {}
     try:
-        with see_dtensor_collectives(ctx.ledger):
-            if block:
-                x = ctx.hand("x", ctx.shard(inp["x"], 1)).requires_grad_(True)   # (B, T/t, C): SP input
-                ctx.phase("forward")
-                y = model(x)
-                y = y.to_local() if isinstance(y, DTensor) else y           # (B, T/t, C)
+        if block:
+            x = ctx.hand("x", ctx.shard(inp["x"], 1)).requires_grad_(True)   # (B, T/t, C): SP input
+            ctx.phase("forward")
+            y = model(x)
+            y = y.to_local() if isinstance(y, DTensor) else y           # (B, T/t, C)
+            ctx.phase("backward")
+            y.backward(ctx.shard(inp["dy"], 1))
+            out = {"y": y, "dx": x.grad}
+        else:
+            ids, labels = ctx.hand("input_ids", inp["input_ids"]), ctx.hand("labels", inp["labels"])
+            T = ids.shape[1]
+            if cfg["kind"] == "padding":
+                ids, labels = mod.pad_for_sp(ids, labels, ctx.world_size)
+                if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor)) or \
+                        ids.shape[1] % ctx.world_size or labels.shape != ids.shape or ids.shape[1] < T:
+                    raise ValueError(f"pad_for_sp returned ids {tuple(getattr(ids, 'shape', ()))} and labels "
+                                     f"{tuple(getattr(labels, 'shape', ()))} for T={T}, t={ctx.world_size}: both "
+                                     f"must be (B, T') with T' >= T and T' % t == 0, or DTensor SP aborts on gloo.")
+                out[PADDED_IDS], out[PADDED_LABELS] = ids.detach().clone(), labels.detach().clone()
+            ctx.phase("forward")
+            logits = model(ids)
+            with loss_parallel():
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
                 ctx.phase("backward")
-                y.backward(ctx.shard(inp["dy"], 1))
-                out = {"y": y, "dx": x.grad}
-            else:
-                ids, labels = ctx.hand("input_ids", inp["input_ids"]), ctx.hand("labels", inp["labels"])
-                T = ids.shape[1]
-                if cfg["kind"] == "padding":
-                    ids, labels = mod.pad_for_sp(ids, labels, ctx.world_size)
-                    if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor)) or \
-                            ids.shape[1] % ctx.world_size or labels.shape != ids.shape or ids.shape[1] < T:
-                        raise ValueError(f"pad_for_sp returned ids {tuple(getattr(ids, 'shape', ()))} and labels "
-                                         f"{tuple(getattr(labels, 'shape', ()))} for T={T}, t={ctx.world_size}: both "
-                                         f"must be (B, T') with T' >= T and T' % t == 0, or DTensor SP aborts on gloo.")
-                    out[PADDED_IDS], out[PADDED_LABELS] = ids.detach().clone(), labels.detach().clone()
-                ctx.phase("forward")
-                logits = model(ids)
-                with loss_parallel():
-                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-                    ctx.phase("backward")
-                    loss.backward()
-                out["loss"] = (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
-                if cfg["kind"] == "model":
-                    out["logits"] = (logits.to_local() if isinstance(logits, DTensor) else logits).detach()
+                loss.backward()
+            out["loss"] = (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
+            if cfg["kind"] == "model":
+                out["logits"] = (logits.to_local() if isinstance(logits, DTensor) else logits).detach()
     except Exception as exc:                          # noqa: BLE001
         _explain(exc)
     ctx.phase("harness")                              # reducing Partial grads of replicated norms: the grader's
@@ -147,7 +145,7 @@ def run_fsdp_tp(mod, cfg, inp, ctx):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from tpkit.dtensor import quiet_redistribute_warnings, see_dtensor_collectives
+    from tpkit.dtensor import quiet_redistribute_warnings
 
     mc = _cfg(cfg)
     dp, tp = cfg["dp"], ctx.world_size // cfg["dp"]
@@ -167,20 +165,19 @@ def run_fsdp_tp(mod, cfg, inp, ctx):
     ids, labels = inp["input_ids"].chunk(dp)[d], inp["labels"].chunk(dp)[d]     # this dp rank's micro-batch
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     losses = []
-    with see_dtensor_collectives(ctx.ledger):
-        for _ in range(cfg["steps"]):
-            ctx.phase("forward")
-            logits = model(ids)
-            with loss_parallel():
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-                ctx.phase("backward")
-                loss.backward()
-            ctx.phase("step")
-            opt.step()
-            opt.zero_grad()
-            local = (loss.to_local() if isinstance(loss, DTensor) else loss).detach().clone()
-            dist.all_reduce(local, group=mesh["dp"].get_group())                # mean over the dp micro-batches
-            losses.append(local / dp)
+    for _ in range(cfg["steps"]):
+        ctx.phase("forward")
+        logits = model(ids)
+        with loss_parallel():
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            ctx.phase("backward")
+            loss.backward()
+        ctx.phase("step")
+        opt.step()
+        opt.zero_grad()
+        local = (loss.to_local() if isinstance(loss, DTensor) else loss).detach().clone()
+        dist.all_reduce(local, group=mesh["dp"].get_group())                # mean over the dp micro-batches
+        losses.append(local / dp)
     ctx.phase("gather")
     out = {"losses": torch.stack(losses), FSDP_LAYERS: torch.tensor([on_layers]), FSDP_ROOT: torch.tensor([on_root]),
            FSDP_OTHER: torch.tensor([elsewhere])}

@@ -1,0 +1,138 @@
+"""One launch of a grading job: JOBDIR/attemptK/ in a sandbox, ranks forked by the launcher, results read back.
+
+This module imports no torch (until results are read): a job's first launcher can then be started, held,
+before the trusted process imports torch. The launcher (in its sandbox) imports torch and the week's rank
+modules while this process imports torch, makes the inputs and computes the references; `run` releases it.
+Two ~2 s imports overlap instead of following each other.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+
+from grader import ROOT
+from grader.sandbox import Sandbox, give_to
+from grader.timeouts import KILL_GRACE, PG_TIMEOUT, STOP_GRACE
+from tpkit.progress import read_progress
+
+GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0")
+
+
+def preloads(weeks) -> tuple[str, ...]:
+    # imported once in the launcher, before the fork: what backward() imports lazily (sympy, ~0.5 s per
+    # process), the rank entry, each week's run functions and what they import (e.g. DTensor)
+    return ("torch.fx.experimental.symbolic_shapes", "grader.rank.entry",
+            *dict.fromkeys(f"grader.rank.{w}" for w in weeks))
+
+
+class Attempt:
+    """attemptK/ of a job: spec.json, and out/, the only folder its ranks may write."""
+
+    def __init__(self, jobdir: str, k: int, *, backend: str, launcher: str, mode: str, stream=None,
+                 wrap: tuple = (), interactive: bool = False):
+        self.jobdir, self.backend, self.launcher, self.mode = jobdir, backend, launcher, mode
+        self.stream, self.wrap, self.interactive = stream, tuple(wrap), interactive
+        self.here = os.path.join(jobdir, f"attempt{k}")
+        self.outdir = os.path.join(self.here, "out")
+        os.makedirs(self.outdir)
+        self.box = Sandbox(readable=[jobdir], writable=[self.outdir], chdir=self.outdir,
+                           setpriv=launcher == "torchrun", mode=mode).__enter__()
+        give_to(jobdir, self.box.uid)       # read-only inside the box; the unprivileged uid must still enter it
+        give_to(self.here, self.box.uid)
+        self.launch = None
+
+    def _start(self, nproc: int | None, weeks, timeout: float, pg_timeout: float):
+        from launch.runner import start
+        return start("grader.rank.entry", nproc, [self.here], backend=self.backend, launcher=self.launcher,
+                     timeout=timeout, kill_grace=KILL_GRACE, pg_timeout=pg_timeout, stream=self.stream,
+                     preload=preloads(weeks), wrap=tuple(self.box.prefix) + self.wrap,
+                     base_env=self.box.base_env(os.environ),
+                     env={"PYTHONPATH": _pythonpath(ROOT), "COURSE_STOP_GRACE": str(STOP_GRACE), **self.box.env},
+                     cwd=self.outdir, interactive=self.interactive)
+
+    def hold(self, weeks, pg_timeout: float) -> "Attempt":
+        """Start the launcher now (fork launcher only); it imports, then waits for `run`."""
+        self.launch = self._start(None, weeks, 0.0, pg_timeout)
+        return self
+
+    def run(self, items: list[dict], spec: dict, timeout: float, pg_timeout: float):
+        """Run `items` on max(t) ranks. Returns (run, results): the launch's RunResult and what each rank
+        wrote ({"ranks", "progress", "untrusted", "world"})."""
+        world = max(it["t"] for it in items)
+        with open(os.path.join(self.here, "spec.json"), "w") as f:
+            json.dump({"items": items, "pg_timeout": pg_timeout, **spec}, f)
+        try:
+            if self.launch is None:
+                self.launch = self._start(world, [it["case"].split("/")[0] for it in items], timeout, pg_timeout)
+            else:
+                self.launch.release(world, timeout)
+            run = self.launch.wait()
+        finally:
+            self.box.__exit__(None, None, None)
+        results = {"ranks": {}, "progress": {}, "untrusted": {}, "world": world}
+        for r in range(world):
+            results["ranks"][r], why = _load_rank_file(os.path.join(self.outdir, f"rank{r}.pt"), r, run)
+            if why:
+                results["untrusted"][r] = why
+            results["progress"][r] = read_progress(os.path.join(self.outdir, f"rank{r}.progress"))
+        return run, results
+
+    def cancel(self):
+        """Give the attempt up unused: its held launcher stops, its folder goes."""
+        if self.launch is not None:
+            self.launch.cancel()
+        self.box.__exit__(None, None, None)
+        shutil.rmtree(self.here, ignore_errors=True)
+
+
+def hold_first_attempt(names: list[str], backend: str | None = None, sandbox: str | None = None,
+                       pg_timeout: float | None = None) -> Attempt | None:
+    """A new job folder whose first attempt has its launcher started and held (see the module's docstring),
+    where the checks `names` will most likely use the fork launcher (gloo, no GPU); else None.
+    Give it to `run_checks(first=...)`, which runs it, or cancels it if the job decides otherwise."""
+    requested = (backend or os.environ.get("COURSE_BACKEND") or "auto").lower()
+    if requested == "nccl" or (requested == "auto" and any(os.path.exists(d) for d in GPU_DEVICES)):
+        return None
+    if (os.environ.get("COURSE_LAUNCHER") or "auto").lower() not in ("auto", "fork"):
+        return None
+    weeks = list(dict.fromkeys(n.split("/")[0] for n in names))
+    if not all(re.fullmatch(r"week\d\d", w) and os.path.exists(os.path.join(ROOT, "grader", "rank", f"{w}.py"))
+               for w in weeks):
+        return None            # a name no week has: run_checks will say so
+    mode = sandbox or os.environ.get("GRADER_SANDBOX", "auto")
+    jobdir = tempfile.mkdtemp(prefix="grader-job-")
+    attempt = Attempt(jobdir, 0, backend="gloo", launcher="fork", mode=mode)
+    return attempt.hold(weeks, PG_TIMEOUT if pg_timeout is None else pg_timeout)
+
+
+def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
+    """A rank's results, or why they cannot be trusted."""
+    if not os.path.exists(path):
+        return {}, None
+    with open(path, "rb") as f:
+        data = f.read()
+    if run is not None:     # every launcher relays what each rank declared it wrote
+        want = run.declared.get(rank, "")
+        if not want and run.timed_out:
+            return {}, None         # stopped before it could be relayed: unverified, not forged (a hang)
+        if want.split(" ")[-1] != hashlib.sha256(data).hexdigest():
+            return {}, (f"rank {rank}'s result file was written or changed by another process, not by rank {rank} "
+                        "itself: forged results are ignored.")
+    import torch   # only here: this module is imported before the trusted process has torch
+    try:
+        res = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception:
+        return {}, (f"rank {rank}'s result file is not a plain tensor file (the safe loader refused it): "
+                    "results are ignored.")
+    return (res if isinstance(res, dict) else {}), None
+
+
+def _pythonpath(root: str) -> str:
+    old = os.environ.get("PYTHONPATH", "")
+    return root + (os.pathsep + old if old else "")
+
