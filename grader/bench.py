@@ -5,7 +5,8 @@
   grading runs: torch imported once per job, ranks forked, sandboxed) and warm (as a notebook's `check()`
   runs: a resident process forks each job);
 - a correct and a deadlocking Week 2 submission through the trusted checks (the deadlock's own seconds);
-- `python -m grader check` on every lab's solution (notebook run + trusted checks), as a student runs it;
+- `python -m grader check` on every lab's solution (notebook run + trusted checks), as a student runs it, and
+  how busy the machine's cores were meanwhile (near 100%: CPU-bound, only less work makes it faster);
 - class-scale autograde: N submissions of the `make demo` mix (solutions, stubs, broken, a deadlock),
   `jobs` at a time, through nbgrader with the trusted checks.
 """
@@ -69,11 +70,22 @@ def time_submission(kind: str, repeats: int) -> list[float]:
     return out
 
 
-def time_cli(path: str) -> tuple[float, str]:
-    t0 = time.monotonic()
+def busy_cpu_seconds() -> float:
+    """CPU time the whole machine has spent busy so far, all cores together (/proc/stat); nan off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return float("nan")
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def time_cli(path: str) -> tuple[float, float, str]:
+    """Seconds of `python -m grader check path`, the machine's busy CPU-seconds meanwhile, and its score line."""
+    c0, t0 = busy_cpu_seconds(), time.monotonic()
     p = subprocess.run([sys.executable, "-m", "grader", "check", path], capture_output=True, text=True)
     score = (p.stdout.strip().splitlines() or ["?"])[-1]
-    return time.monotonic() - t0, score
+    return time.monotonic() - t0, busy_cpu_seconds() - c0, score
 
 
 def class_autograde(n: int, jobs: int) -> str:
@@ -120,9 +132,11 @@ def main(n: int = 20, jobs: int = 2, repeats: int = 3) -> int:
     base = statistics.median(torch_s)
     for path in sorted(glob.glob(os.path.join(ROOT, "solutions", "week*", "*.ipynb"))):
         runs = [time_cli(path) for _ in range(repeats)]
-        secs = [s for s, _ in runs]
+        secs = [s for s, _, _ in runs]
+        busy = statistics.median(c / (s * (os.cpu_count() or 1)) for s, c, _ in runs)
         print(f"python -m grader check {os.path.relpath(path, ROOT)}: {_runs(secs)} = "
-              f"{statistics.median(secs) / base:.1f}x `import torch` ({runs[-1][1]})", flush=True)
+              f"{statistics.median(secs) / base:.1f}x `import torch`; the machine's cores busy {busy:.0%} of "
+              f"that time ({runs[-1][2]})", flush=True)
     if n:
         print(f"class autograde of {n} Week 2 submissions ...", flush=True)
         print(class_autograde(n, jobs), flush=True)
