@@ -174,22 +174,12 @@ def _killpg(pgid: int, sig: int):
         pass
 
 
-def run(target: str, nproc: int, args: Sequence[str] = (), *, module: bool = True,
-        backend: str | None = None, launcher: str | None = None, timeout: float = 120.0,
-        kill_grace: float = 3.0, env: dict | None = None, cwd: str | None = None,
-        stream: Callable[[str], None] | None = None, preload: Sequence[str] = (),
-        wrap: Sequence[str] = (), pg_timeout: float | None = None, interactive: bool = False,
-        base_env: dict | None = None) -> RunResult:
-    """Run `target` (a module with module=True, else a script path) on `nproc` local ranks.
-
-    wrap: a command prefix (e.g. a sandbox) placed before the Python interpreter.
-    base_env: the environment the ranks start from (default: this process's); `env` is added on top.
-    """
-    if nproc < 1:
+def run(target: str, nproc: int, args: Sequence[str] = (), **options) -> RunResult:
+    """Run `target` (a module with module=True, else a script path) on `nproc` local ranks and wait for it to
+    end; `options` are `start`'s."""
+    if nproc is None or nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
-    return start(target, nproc, args, module=module, backend=backend, launcher=launcher, timeout=timeout,
-                 kill_grace=kill_grace, env=env, cwd=cwd, stream=stream, preload=preload, wrap=wrap,
-                 pg_timeout=pg_timeout, interactive=interactive, base_env=base_env).wait()
+    return start(target, nproc, args, **options).wait()
 
 
 def start(target: str, nproc: int | None, args: Sequence[str] = (), *, module: bool = True,
@@ -198,8 +188,10 @@ def start(target: str, nproc: int | None, args: Sequence[str] = (), *, module: b
           stream: Callable[[str], None] | None = None, preload: Sequence[str] = (),
           wrap: Sequence[str] = (), pg_timeout: float | None = None, interactive: bool = False,
           base_env: dict | None = None) -> "Launch":
-    """Start what `run` runs; `.wait()` gives its RunResult.
+    """Start `target` on `nproc` local ranks; `.wait()` gives its RunResult.
 
+    wrap: a command prefix (e.g. a sandbox) placed before the Python interpreter.
+    base_env: the environment the ranks start from (default: this process's); `env` is added on top.
     nproc=None holds the job (fork launcher only): the launcher starts now and imports torch and
     `preload`, but forks no rank until `.release(nproc, timeout)`; `timeout` then counts from the release.
     """
