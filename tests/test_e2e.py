@@ -294,9 +294,16 @@ def _run_all(browser, srv, name: str, until: str, timeout_s: float = 150) -> tup
     page.wait_for_selector(status, timeout=60000)
     page.wait_for_timeout(1500)  # let the kernel settle (otherwise a second kernel may start)
     page.wait_for_selector(status, timeout=60000)
-    page.click("li.lm-MenuBar-item:has-text('Run')")
-    page.click("li.lm-Menu-item:has-text('Run All Cells')")
     from playwright.sync_api import TimeoutError as PwTimeout
+    for _ in range(3):
+        page.click("li.lm-MenuBar-item:has-text('Run')")
+        page.click("li.lm-Menu-item:has-text('Run All Cells')")
+        try:   # a queued cell shows [*] at once; on a loaded machine a kernel not yet connected drops the run
+            page.wait_for_function("""() => [...document.querySelectorAll('.jp-Notebook .jp-InputArea-prompt')]
+                                    .some(p => /\\[(\\*|\\d+)\\]/.test(p.innerText))""", timeout=30000)
+            break
+        except PwTimeout:
+            continue
     timed_out = False
     try:
         page.wait_for_function(
