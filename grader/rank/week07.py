@@ -81,11 +81,22 @@ def _explain(exc: BaseException):
     raise exc
 
 
+def _forward_backward(model, ids, labels, ctx):
+    """Logits and loss of the TP model, loss parallel over the vocab-sharded logits, and the backward."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    ctx.phase("forward")
+    logits = model(ids)                                 # (B, T, V), a DTensor sharded on V by the plan
+    with loss_parallel():
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        ctx.phase("backward")
+        loss.backward()
+    return logits, loss
+
+
 def run_plan(mod, cfg, inp, ctx):
     import warnings
 
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
 
     from tpkit.dtensor import local_grad, tp_mesh_for
 
@@ -120,12 +131,7 @@ def run_plan(mod, cfg, inp, ctx):
                                      f"{tuple(getattr(labels, 'shape', ()))} for T={T}, t={ctx.world_size}: both "
                                      f"must be (B, T') with T' >= T and T' % t == 0, or DTensor SP aborts on gloo.")
                 out[PADDED_IDS], out[PADDED_LABELS] = ids.detach().clone(), labels.detach().clone()
-            ctx.phase("forward")
-            logits = model(ids)
-            with loss_parallel():
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-                ctx.phase("backward")
-                loss.backward()
+            logits, loss = _forward_backward(model, ids, labels, ctx)
             out["loss"] = (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
             if cfg["kind"] == "model":
                 out["logits"] = (logits.to_local() if isinstance(logits, DTensor) else logits).detach()
@@ -143,7 +149,6 @@ def run_fsdp_tp(mod, cfg, inp, ctx):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
 
     from tpkit.dtensor import quiet_redistribute_warnings
 
@@ -166,12 +171,7 @@ def run_fsdp_tp(mod, cfg, inp, ctx):
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     losses = []
     for _ in range(cfg["steps"]):
-        ctx.phase("forward")
-        logits = model(ids)
-        with loss_parallel():
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-            ctx.phase("backward")
-            loss.backward()
+        _, loss = _forward_backward(model, ids, labels, ctx)
         ctx.phase("step")
         opt.step()
         opt.zero_grad()
