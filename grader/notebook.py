@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import warnings
 
 _WRITEFILE = re.compile(r"^%%writefile(\s+-a|\s+--append)?\s+(\S+)\s*\n?")
@@ -77,6 +78,9 @@ def run_trusted(nb, log=None):
             report = run_checks(names, module_sources(nb), graded_together=[list(ns) for _, _, ns, _ in cells],
                                 first=first)
         except Exception as exc:  # the grader itself failed: never a silent pass
+            if first is not None and first.launch.proc.poll() is None:   # run_checks never took it over
+                first.cancel()
+                shutil.rmtree(first.jobdir, ignore_errors=True)
             if log:
                 log.error("trusted checks failed to run: %s", exc)
             return cells, exc
