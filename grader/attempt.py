@@ -18,9 +18,8 @@ import tempfile
 from grader import ROOT
 from grader.sandbox import Sandbox, give_to
 from grader.timeouts import KILL_GRACE, PG_TIMEOUT, STOP_GRACE
+from launch.backend import fork_launcher_likely
 from tpkit.progress import read_progress
-
-GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0")
 
 
 def preloads(weeks) -> tuple[str, ...]:
@@ -95,10 +94,7 @@ def hold_first_attempt(names: list[str], backend: str | None = None, sandbox: st
     """A new job folder whose first attempt has its launcher started and held (see the module's docstring),
     where the checks `names` will most likely use the fork launcher (gloo, no GPU); else None.
     Give it to `run_checks(first=...)`, which runs it, or cancels it if the job decides otherwise."""
-    requested = (backend or os.environ.get("COURSE_BACKEND") or "auto").lower()
-    if requested == "nccl" or (requested == "auto" and any(os.path.exists(d) for d in GPU_DEVICES)):
-        return None
-    if (os.environ.get("COURSE_LAUNCHER") or "auto").lower() not in ("auto", "fork"):
+    if not fork_launcher_likely(backend):
         return None
     weeks = list(dict.fromkeys(n.split("/")[0] for n in names))
     if not all(re.fullmatch(r"week\d\d", w) and os.path.exists(os.path.join(ROOT, "grader", "rank", f"{w}.py"))

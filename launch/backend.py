@@ -40,3 +40,13 @@ def default_launcher(backend: str, requested: str | None = None, interactive: bo
         raise ValueError(f"the {choice} launcher cannot start NCCL ranks (CUDA does not survive fork): "
                          "use launcher='torchrun'")
     return choice
+
+
+def fork_launcher_likely(requested_backend: str | None = None) -> bool:
+    """Whether a non-interactive job will most likely get the fork launcher, decided without importing torch
+    (a GPU device file stands in for CUDA): lets a caller start that launcher while it imports torch itself."""
+    backend = (requested_backend or os.environ.get("COURSE_BACKEND") or "auto").lower()
+    gpu = any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/nvidia0"))
+    if backend == "nccl" or (backend == "auto" and gpu):
+        return False
+    return (os.environ.get("COURSE_LAUNCHER") or "auto").lower() in ("auto", "fork")
