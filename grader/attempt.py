@@ -19,7 +19,7 @@ from grader import ROOT
 from grader.sandbox import Sandbox, give_to
 from grader.timeouts import KILL_GRACE, PG_TIMEOUT, STOP_GRACE
 from launch.backend import fork_launcher_likely
-from tpkit.progress import read_progress
+from tpkit.progress import UnsafeFile, read_progress, read_regular
 
 
 def preloads(weeks) -> tuple[str, ...]:
@@ -106,12 +106,18 @@ def hold_first_attempt(names: list[str], backend: str | None = None, sandbox: st
     return attempt.hold(weeks, PG_TIMEOUT if pg_timeout is None else pg_timeout)
 
 
+RESULT_LIMIT = 64 << 20      # bytes: a rank's result file (the box's RLIMIT_FSIZE is the same)
+
+
 def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
-    """A rank's results, or why they cannot be trusted."""
-    if not os.path.exists(path):
+    """A rank's results, or why they cannot be trusted. The file is the box's: it is read without blocking
+    (a FIFO), without following links, up to a size cap, and every value's type is checked before use."""
+    try:
+        data = read_regular(path, RESULT_LIMIT)
+    except UnsafeFile as exc:
+        return {}, f"rank {rank}'s result file cannot be read safely ({exc}): results are ignored."
+    if data is None:
         return {}, None
-    with open(path, "rb") as f:
-        data = f.read()
     if run is not None:     # every launcher relays what each rank declared it wrote
         want = run.declared.get(rank, "")
         if not want and run.timed_out:
@@ -125,7 +131,50 @@ def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
     except Exception:
         return {}, (f"rank {rank}'s result file is not a plain tensor file (the safe loader refused it): "
                     "results are ignored.")
-    return (res if isinstance(res, dict) else {}), None
+    bad = malformed_results(res)
+    if bad:
+        return {}, f"rank {rank}'s results are malformed ({bad}): results are ignored."
+    return res, None
+
+
+def _is_scalar(x) -> bool:
+    return x is None or isinstance(x, (str, int, float, bool))
+
+
+def _record_problem(rec) -> str | None:
+    """What is wrong with one item's record as a rank wrote it, or None."""
+    import torch
+    if not isinstance(rec, dict):
+        return f"a {type(rec).__name__}, not a dict"
+    kinds = {"group": list, "tensors": dict, "params": dict, "ledger": list, "error": str, "skipped": str,
+             "seconds": (int, float)}
+    for key, val in rec.items():
+        if key not in kinds:
+            return f"an unknown field `{key}`"
+        if not isinstance(val, kinds[key]) or isinstance(val, bool):
+            return f"`{key}` is a {type(val).__name__}"
+    if not all(isinstance(r, int) and not isinstance(r, bool) for r in rec.get("group", [0])) or "group" not in rec:
+        return "`group` is not a list of ranks"
+    if not all(isinstance(k, str) and (v is None or isinstance(v, torch.Tensor)) for k, v in rec.get("tensors", {}).items()):
+        return "`tensors` holds something other than tensors"
+    if not all(isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(d, int) for d in v)
+               for k, v in rec.get("params", {}).items()):
+        return "`params` holds something other than shapes"
+    if not all(isinstance(e, dict) and all(isinstance(k, str) and (_is_scalar(v) or (isinstance(v, list) and all(
+            _is_scalar(x) for x in v))) for k, v in e.items()) for e in rec.get("ledger", [])):
+        return "`ledger` holds something other than plain records"
+    return None
+
+
+def malformed_results(res) -> str | None:
+    """None when `res` is {item id: record} with every value of the type the judge expects, else what is not."""
+    if not isinstance(res, dict):
+        return f"a {type(res).__name__}, not a dict of items"
+    for item_id, rec in res.items():
+        why = _record_problem(rec) if isinstance(item_id, str) else "an item id that is not a string"
+        if why:
+            return f"item {str(item_id)[:40]!r}: {why}"
+    return None
 
 
 def _pythonpath(root: str) -> str:

@@ -52,6 +52,25 @@ class Case:
     title: str = ""
     hints: dict[str, str] = field(default_factory=dict)          # tensor name -> what a mismatch usually means
     timeout: int | None = None                  # seconds one rank may spend in this case (default ITEM_TIMEOUT)
+    # (cfg, inputs, r, t) -> what rank r of t receives: only what a real rank owns (its shards, the replicated
+    # tensors); a dense tensor an API hands over has the other ranks' parts poisoned (NaN). The full inputs and
+    # the expected values stay in the trusted process. None: every rank receives the full inputs.
+    rank_inputs: Callable[[dict, dict, int, int], dict] | None = None
+
+
+def shard(t: torch.Tensor, r: int, n: int, dim: int) -> torch.Tensor:
+    """Rank r's block of n along `dim` (torch.chunk's split: what every lab calls rank r's shard)."""
+    return t.chunk(n, dim=dim)[r].contiguous()
+
+
+def poisoned(t: torch.Tensor, r: int, n: int, dim: int) -> torch.Tensor:
+    """`t` with every block but rank r's (of n along `dim`) set to NaN: a dense tensor an API hands a rank
+    (e.g. `from_dense(linear)`) carries only what that rank owns, and code that reads another rank's part
+    gets NaN instead of an answer it could not have computed without communicating."""
+    out = torch.full_like(t, float("nan"))
+    out.narrow(dim, sum(c.shape[dim] for c in t.chunk(n, dim=dim)[:r]), shard(t, r, n, dim).shape[dim]).copy_(
+        shard(t, r, n, dim))
+    return out
 
 
 _REGISTRY: dict[str, Case] = {}

@@ -74,6 +74,8 @@ def check_notebook(path: str, backend: str | None = None, execute: bool = True, 
             rows = report.table().splitlines()
             print("\n".join([rows[0]] + [r for r in rows[1:-1] if r.split()[0] in names]))
     print(f"\n{report.table().splitlines()[-1]}")
+    for note in report.sandbox.get("notes", []):      # what the box could not do, said where it is seen
+        print(f"sandbox: {note}")
     print(f"score: {got:g}/{total:g}")
     sys.stdout.flush()
     return 0 if got == total else 1

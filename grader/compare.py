@@ -40,7 +40,13 @@ def _where(idx: int, shape) -> str:
     return "[" + ", ".join(str(c) for c in reversed(coords)) + "]"
 
 
-def compare_tensor(name: str, got, want: torch.Tensor, atol: float, rank: int, hint: str = "") -> tuple[str | None, float]:
+# what NaN most often means when each rank is handed only its own part of a dense tensor (Case.rank_inputs)
+NOT_YOURS = ("Each rank is handed only what it owns: the other ranks' parts of a dense tensor it receives "
+             "are NaN, so NaN here usually means your code read rows or columns that belong to another rank.")
+
+
+def compare_tensor(name: str, got, want: torch.Tensor, atol: float, rank: int, hint: str = "",
+                   nan_hint: str = "") -> tuple[str | None, float]:
     """None if `got` matches `want` at atol, else a message a student can act on."""
     who = f"rank {rank}: `{name}`"
     tail = f" {hint}" if hint else ""
@@ -64,8 +70,9 @@ def compare_tensor(name: str, got, want: torch.Tensor, atol: float, rank: int, h
         n_nan, n_inf = int(torch.isnan(got).sum()), int(torch.isinf(got).sum())
         i = int((~finite).flatten().nonzero()[0])
         kinds = " and ".join(k for k, n in (("NaN", n_nan), ("Inf", n_inf)) if n)
-        return (f"{who} contains {kinds} ({n_nan + n_inf} of {got.numel()} values, first at {_where(i, got.shape)}).{tail}",
-                math.inf)
+        extra = f" {nan_hint}" if nan_hint and n_nan else ""
+        return (f"{who} contains {kinds} ({n_nan + n_inf} of {got.numel()} values, first at {_where(i, got.shape)})."
+                f"{extra}{tail}", math.inf)
     err = (got.double() - want.double()).abs()
     m = float(err.max()) if err.numel() else 0.0
     if m <= atol:
@@ -227,7 +234,8 @@ def compare_item(case: Case, item: dict, ref: dict, results: dict[int, dict | No
         want = case.expected(item["config"], ref, r, t)
         got = res.get("tensors", {})
         for name, w in want.items():
-            msg, m = compare_tensor(name, got.get(name), w, case.atol, r, case.hints.get(name, ""))
+            msg, m = compare_tensor(name, got.get(name), w, case.atol, r, case.hints.get(name, ""),
+                                    NOT_YOURS if case.rank_inputs else "")
             if msg:
                 tensors.setdefault(name, []).append(msg)
             elif m > v.max_err:

@@ -1,6 +1,6 @@
 """Build a job folder, run it on N ranks, compare in this (trusted) process.
 
-    JOBDIR/inputs.pt                 full inputs per item, made here from the seed
+    JOBDIR/inputs/rank{r}.pt         what job rank r receives per item (the case's `rank_inputs`), made here
     JOBDIR/student/*.py              the student's modules (a snapshot: the kernel or the notebook JSON)
     JOBDIR/attemptK/spec.json        the items of launch K (case, t, seed, config, run function), timeouts
     JOBDIR/attemptK/out/rank{r}.pt   written by each rank: tensors, ledger, parameter shapes, errors
@@ -97,6 +97,19 @@ class Report:
         launcher = getattr(self.run, "launcher", "?")
         rows.append(f"({backend}, {launcher} launcher, {self.seconds:.1f} s)")
         return "\n".join(rows)
+
+
+def rank_views(items: list[dict], inputs: dict) -> list[dict]:
+    """Per job rank, {item id: what that rank receives}: the case's `rank_inputs` for its rank in its group
+    (groups are consecutive blocks of t job ranks), or the full inputs for a case that has none."""
+    world = max(it["t"] for it in items)
+    views: list[dict] = [{} for _ in range(world)]
+    for it in items:
+        case, t = get_case(it["case"]), it["t"]
+        for j in range(world - world % t):
+            full = {k: v.clone() for k, v in inputs[it["id"]].items()}
+            views[j][it["id"]] = case.rank_inputs(it["config"], full, j % t, t) if case.rank_inputs else full
+    return views
 
 
 def plan_items(names: list[str], fresh_seed: bool = True) -> list[dict]:
@@ -241,9 +254,11 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
                 gen = torch.Generator().manual_seed(it["seed"])
                 inputs[it["id"]] = case.make_inputs(it["config"], gen)
                 refs[it["id"]] = case.reference(it["config"], {k: v.clone() for k, v in inputs[it["id"]].items()})
-        torch.save(inputs, os.path.join(jobdir, "inputs.pt"))
+        os.makedirs(os.path.join(jobdir, "inputs"))
+        for j, own in enumerate(rank_views(items, inputs)):
+            torch.save(own, os.path.join(jobdir, "inputs", f"rank{j}.pt"))
         spec = {"item_timeout": ITEM_TIMEOUT, "graded_together": graded_together or [],
-                "inputs": os.path.join(jobdir, "inputs.pt"), "student": os.path.join(jobdir, "student")}
+                "inputs": os.path.join(jobdir, "inputs", "rank{rank}.pt"), "student": os.path.join(jobdir, "student")}
         cases: dict[str, CaseVerdict] = {it["case"]: CaseVerdict(it["case"], True) for it in items}
         verdicts: dict[str, ItemVerdict] = {}
         pending = items

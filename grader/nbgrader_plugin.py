@@ -49,6 +49,8 @@ class TrustedChecks(NbGraderPreprocessor):
             if report is not None:
                 cell.outputs = verdict_outputs(report, names)
         if report is not None and not isinstance(report, Exception):
+            for note in report.sandbox.get("notes", []):
+                self.log.warning("sandbox: %s", note)
             self.log.info("trusted checks: %d/%d passed in %.1f s",
                           sum(c.passed for c in report.cases.values()), len(report.cases), report.seconds)
         return nb, resources

@@ -70,15 +70,16 @@ def run_trusted(nb, log=None):
         names += [n for n in ns if n not in names]
     if not names:
         return cells, None
-    first = hold_first_attempt(names)     # its launcher imports torch while this process does
+    first = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
+            first = hold_first_attempt(names)     # its launcher imports torch while this process does
             from grader.job import run_checks
             report = run_checks(names, module_sources(nb), graded_together=[list(ns) for _, _, ns, _ in cells],
                                 first=first)
         except Exception as exc:  # the grader itself failed: never a silent pass
-            if first is not None and first.launch.proc.poll() is None:   # run_checks never took it over
+            if first is not None and first.launch is not None and first.launch.proc.poll() is None:   # run_checks never took it over
                 first.cancel()
                 shutil.rmtree(first.jobdir, ignore_errors=True)
             if log:

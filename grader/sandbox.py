@@ -15,8 +15,10 @@ A box is a bubblewrap command prefix (`Sandbox.prefix`). What runs inside:
   namespaces, dies with its parent, gets a clean environment (an allowlist of variables);
 - cannot fork-bomb the machine (pids cgroup), hog memory (RLIMIT_AS per rank), fill the disk
   (RLIMIT_FSIZE) or spin forever on CPU (RLIMIT_CPU; the job wall clock comes first anyway).
-Where a tool is missing the box degrades and says so in `notes`; GRADER_SANDBOX=on makes that an
-error, GRADER_SANDBOX=off disables the box (your own kernel, your own code).
+Student code is never unboxed by accident: without bubblewrap the box refuses (`SandboxUnavailable`)
+unless GRADER_SANDBOX=off says so explicitly (your own kernel, your own code). Where a lesser tool is
+missing (setpriv, a pids cgroup) the box degrades and says so in `notes`; GRADER_SANDBOX=on makes that an
+error too.
 """
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ KERNEL_VIEW = ("launch", "tpkit")
 SYSTEM = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt/conda")
 ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
             "MPLBACKEND", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "GRADER_DEFER_CHECKS", "CUDA_VISIBLE_DEVICES")
+
+
+class SandboxUnavailable(RuntimeError):
+    """Student code would run unboxed: refused unless GRADER_SANDBOX=off asks for it."""
 
 
 @dataclass
@@ -139,8 +145,10 @@ class Sandbox:
         self.env.update(rlimits_env(self.limits))
         bwrap = shutil.which("bwrap")
         if bwrap is None:
-            return self._missing("bubblewrap (bwrap) is not installed: student code is not isolated "
-                                 "(apt-get install bubblewrap)")
+            raise SandboxUnavailable(
+                "bubblewrap (bwrap) is not installed, so student code would run unboxed, with your privileges, "
+                "your files and the network. Install it (`make sandbox-deps`, or `apt-get install bubblewrap`), "
+                "or set GRADER_SANDBOX=off to run unboxed on purpose (your own code on your own machine).")
         self.uid = unprivileged_uid()
         drop = []
         if self.uid is not None:

@@ -73,6 +73,26 @@ def test_ranks_run_with_torchrun_environment(script, launcher):
     assert sorted(res.exitcodes) == [0, 1, 2]
 
 
+def test_torchrun_ranks_destroy_their_group_before_interpreter_teardown(tmp_path):
+    """A script that never calls destroy_process_group() still leaves in order: gloo's threads alive at
+    interpreter teardown can abort a rank whose work is done (pytorch/pytorch#190489), so
+    launch.dist.init_process_group registers the destroy at exit. An exit hook registered before it runs
+    after it (LIFO) and sees the group gone."""
+    p = tmp_path / "job.py"
+    p.write_text(textwrap.dedent("""
+        import atexit
+        import torch.distributed as dist
+        atexit.register(lambda: print("group alive at teardown:", dist.is_initialized(), flush=True))
+        from launch.dist import init_process_group
+        init_process_group()
+        dist.barrier()
+    """))
+    res = run(str(p), 2, module=False, launcher="torchrun", timeout=60)
+    assert res.ok, res.output
+    for r in range(2):
+        assert "group alive at teardown: False" in res.rank_output(r), res.output
+
+
 @pytest.mark.parametrize("launcher", ["warm", "fork"])
 def test_crash_names_the_root_cause_rank(script, launcher):
     res = run(script, 3, ["crash"], module=False, timeout=60, launcher=launcher)

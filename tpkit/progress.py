@@ -10,6 +10,42 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+
+
+class UnsafeFile(OSError):
+    """A path another process controls is not a regular file, or is too large to read."""
+
+
+def read_regular(path: str, limit: int) -> bytes | None:
+    """The bytes of `path`, never blocking and never following a link: None if it does not exist;
+    UnsafeFile if it is a FIFO, socket, device, symlink or directory, or is larger than `limit` bytes.
+    For files written by a process the reader does not trust (a FIFO would block a plain open() forever)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:      # ELOOP: a symlink
+        raise UnsafeFile(f"{os.path.basename(path)} is not a regular file ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(f"{os.path.basename(path)} is not a regular file")
+        if st.st_size > limit:
+            raise UnsafeFile(f"{os.path.basename(path)} is {st.st_size} bytes, over the {limit}-byte limit")
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:      # grew while being read
+            raise UnsafeFile(f"{os.path.basename(path)} is over the {limit}-byte limit")
+        return data
+    finally:
+        os.close(fd)
 
 
 class ProgressFile:
@@ -37,12 +73,12 @@ def read_progress(path: str, tries: int = 3) -> dict:
     """The state last written to `path`; {} if there is none (yet)."""
     for _ in range(tries):
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = read_regular(path, 1 << 16)    # a peer's file: it may be a FIFO or huge
         except OSError:
             return {}
         try:
-            return json.loads(data) if data.strip() else {}
+            state = json.loads(data) if data and data.strip() else {}
         except ValueError:      # caught mid-write: read again
             continue
+        return state if isinstance(state, dict) else {}
     return {}

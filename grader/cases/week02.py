@@ -35,7 +35,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from grader.case import Case, Contract, register
+from grader.case import Case, Contract, poisoned, register, shard
 
 MODULE = "tp_linear"
 
@@ -75,16 +75,37 @@ def _linear_inputs(cfg, gen):
     return d
 
 
-def _shard(t, rank, world, dim):
-    return t.chunk(world, dim=dim)[rank].contiguous()
+# -- what each rank receives (only what a real TP rank owns) ---------------------
+def _own_column(cfg, d, r, t):
+    """The dense layer a column-parallel rank is handed holds only its rows (the rest NaN); X is replicated;
+    dY is the full output's grad when the output is gathered, else only this rank's columns of it."""
+    own = {"x": d["x"], "W": poisoned(d["W"], r, t, 0), "dy": d["dy"] if cfg["gather"] else shard(d["dy"], r, t, -1)}
+    if "b" in d:
+        own["b"] = poisoned(d["b"], r, t, 0)
+    return own
+
+
+def _own_row(cfg, d, r, t):
+    """A row-parallel rank: its columns of W (the rest NaN), the replicated bias and dY, and X whole or only its
+    slice of the input features (input_is_parallel)."""
+    own = {"x": shard(d["x"], r, t, -1) if cfg["parallel_input"] else d["x"], "W": poisoned(d["W"], r, t, 1),
+           "dy": d["dy"]}
+    if "b" in d:
+        own["b"] = d["b"]
+    return own
+
+
+def _own_mlp(cfg, d, r, t):
+    return {"x": d["x"], "W1": poisoned(d["W1"], r, t, 0), "b1": poisoned(d["b1"], r, t, 0),
+            "W2": poisoned(d["W2"], r, t, 1), "b2": d["b2"], "dy": d["dy"]}
 
 
 # -- column-parallel ------------------------------------------------------------
 def _expect_column(cfg, ref, r, t):
-    out = {"y": ref["y"] if cfg["gather"] else _shard(ref["y"], r, t, -1), "dx": ref["dx"],
-           "dW": _shard(ref["dW"], r, t, 0)}
+    out = {"y": ref["y"] if cfg["gather"] else shard(ref["y"], r, t, -1), "dx": ref["dx"],
+           "dW": shard(ref["dW"], r, t, 0)}
     if "db" in ref:
-        out["db"] = _shard(ref["db"], r, t, 0)
+        out["db"] = shard(ref["db"], r, t, 0)
     return out
 
 
@@ -101,8 +122,8 @@ def _contract_column(cfg, t):
 
 # -- row-parallel ---------------------------------------------------------------
 def _expect_row(cfg, ref, r, t):
-    out = {"y": ref["y"], "dx": _shard(ref["dx"], r, t, -1) if cfg["parallel_input"] else ref["dx"],
-           "dW": _shard(ref["dW"], r, t, 1)}
+    out = {"y": ref["y"], "dx": shard(ref["dx"], r, t, -1) if cfg["parallel_input"] else ref["dx"],
+           "dW": shard(ref["dW"], r, t, 1)}
     if "db" in ref:
         out["db"] = ref["db"]          # the bias is replicated: every rank's grad is the dense grad
     return out
@@ -131,8 +152,8 @@ def _mlp_inputs(cfg, gen):
 
 
 def _expect_mlp(cfg, ref, r, t):
-    return {"y": ref["y"], "dx": ref["dx"], "dW1": _shard(ref["dW1"], r, t, 0), "db1": _shard(ref["db1"], r, t, 0),
-            "dW2": _shard(ref["dW2"], r, t, 1), "db2": ref["db2"]}
+    return {"y": ref["y"], "dx": ref["dx"], "dW1": shard(ref["dW1"], r, t, 0), "db1": shard(ref["db1"], r, t, 0),
+            "dW2": shard(ref["dW2"], r, t, 1), "db2": ref["db2"]}
 
 
 def _contract_mlp(cfg, t):
@@ -169,6 +190,7 @@ for name, gather, cfg, seed in [
     register(Case(name=f"week02/{name}", module=MODULE, world_sizes=(2, 4), config=dict(cfg, gather=gather),
                   make_inputs=_linear_inputs, reference=lambda c, d: dense_linear(d["x"], d["W"], d.get("b"), d["dy"]),
                   run_rank="run_column", expected=_expect_column, contract=_contract_column, seed=seed,
+                  rank_inputs=_own_column,
                   hidden=seed is None, title="ColumnParallelLinear", hints=HINTS))
 
 for name, par, cfg, seed in [
@@ -179,6 +201,7 @@ for name, par, cfg, seed in [
     register(Case(name=f"week02/{name}", module=MODULE, world_sizes=(2, 4), config=dict(cfg, parallel_input=par),
                   make_inputs=_linear_inputs, reference=lambda c, d: dense_linear(d["x"], d["W"], d.get("b"), d["dy"]),
                   run_rank="run_row", expected=_expect_row, contract=_contract_row, seed=seed,
+                  rank_inputs=_own_row,
                   hidden=seed is None, title="RowParallelLinear", hints=HINTS))
 
 for name, cfg, seed in [("mlp", {"lead": [4], "hidden": 8, "ffn": 32}, 4),
@@ -186,4 +209,5 @@ for name, cfg, seed in [("mlp", {"lead": [4], "hidden": 8, "ffn": 32}, 4),
     register(Case(name=f"week02/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_mlp_inputs,
                   reference=lambda c, d: dense_mlp(d["x"], d["W1"], d["b1"], d["W2"], d["b2"], d["dy"]),
                   run_rank="run_mlp", expected=_expect_mlp, contract=_contract_mlp, seed=seed, hidden=seed is None,
+                  rank_inputs=_own_mlp,
                   title="Megatron MLP", hints={**HINTS, "db2": HINTS["db"], "db1": HINTS["db"]}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -40,6 +41,30 @@ def user_traceback(exc: BaseException, student_dir: str) -> str:
     return "".join(te.format())
 
 
+def confine_imports(student_dir: str, writable: str):
+    """The student's folder goes LAST on sys.path, and the folders a rank can write (its cwd, `out/`) go
+    entirely: a submission's `statistics.py` or `torch.py` can never shadow the standard library, torch or
+    tpkit, for the harness or for itself; its own helper modules still import."""
+    drop = {"", os.getcwd(), os.path.realpath(writable), os.path.realpath(student_dir)}
+    sys.path[:] = [p for p in sys.path if (os.path.realpath(p) if p else "") not in drop] + [student_dir]
+
+
+def import_by_path(name: str, student_dir: str):
+    """The graded module from the student's folder and nowhere else."""
+    path = os.path.join(student_dir, f"{name}.py")
+    if not os.path.isfile(path):
+        raise ModuleNotFoundError(f"No module named {name!r}: no %%writefile {name}.py cell in the notebook")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
 _RESULT_FD: str | None = None   # read before any student code runs, so it cannot be swapped
 
 
@@ -68,7 +93,7 @@ def main(attempt: str) -> int:
     rank, world, device = init_process_group(timeout_s=spec["pg_timeout"])
     torch.set_num_threads(1)
     student_dir = os.path.realpath(spec["student"])
-    inputs_all = torch.load(spec["inputs"], weights_only=True)
+    inputs_all = torch.load(spec["inputs"].format(rank=rank), weights_only=True)   # this rank's own inputs
     timeout = datetime.timedelta(seconds=spec["pg_timeout"])
 
     # the harness's own group: between items, outside any student code (bounded by the wall clock only)
@@ -95,7 +120,7 @@ def main(attempt: str) -> int:
     progress = os.path.join(attempt, "out", f"rank{rank}.progress")
     results: dict = {}
     watch = Watch(os.path.dirname(out_path), rank)   # installed before any student code is imported
-    sys.path.insert(0, student_dir)
+    confine_imports(student_dir, os.path.dirname(out_path))
     modules: dict = {}
     # the harness's run functions first (before any student code, and outside every item's clock: week 7's
     # DTensor imports take seconds), then the student's modules, once (a slow import on a loaded machine
@@ -108,7 +133,7 @@ def main(attempt: str) -> int:
     for name in dict.fromkeys(it["module"] for it in spec["items"]):
         ProgressFile.at(progress).write({"item": None, "phase": "import", "where": f"importing {name}"})
         try:
-            modules[name] = importlib.import_module(name)
+            modules[name] = import_by_path(name, student_dir)
         except BaseException as exc:   # noqa: BLE001  (SystemExit at import is the student's too)
             modules[name] = exc
     failed_last = False
@@ -191,10 +216,13 @@ def main(attempt: str) -> int:
     except Exception:
         pass
     ProgressFile.at(progress).write({"item": None, "phase": "done", "where": "finished"})
-    # no destroy_process_group(): it would wait (up to the process-group timeout) for the collectives a
-    # deadlocked item abandoned; the process ends here and takes gloo's threads with it
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    code = main(sys.argv[1])
+    # leave without interpreter teardown: launch.dist's exit hook would destroy the process group, which waits
+    # for the collectives a deadlocked item abandoned; the ranks' results are already written and declared
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

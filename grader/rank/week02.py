@@ -1,5 +1,7 @@
-"""Week 2 on a rank: build the student's ColumnParallelLinear / RowParallelLinear from the dense
-weights, run forward and backward on this rank's input, return outputs and grads for the trusted compare.
+"""Week 2 on a rank: build the student's ColumnParallelLinear / RowParallelLinear from the dense layer it is
+handed, run forward and backward on this rank's input, return outputs and grads for the trusted compare.
+`inp` is this rank's own (grader/cases/week02.py `_own_*`): the dense weights carry only its block, the rest
+NaN, and X and dY are what a real rank of the layer has.
 Every tensor handed to the student's code (the dense layer's parameters, the input) goes through ctx.hand:
 the rank entry fails the item if the code wrote into one of them. The upstream grad given to .backward()
 is not handed (in any week): autograd passes it to the output's backward, and a backward that reduces its
@@ -30,8 +32,7 @@ def run_column(mod, cfg, inp, ctx):
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
-    dy = inp["dy"] if cfg["gather"] else ctx.shard(inp["dy"], -1)
-    ctx.backward(y, dy)
+    ctx.backward(y, inp["dy"])            # this rank's grad of its output: the whole of it only when gathered
     out = {"y": y, "dx": x.grad, "dW": ctx.grad(layer, "weight")}
     if "b" in inp:
         out["db"] = ctx.grad(layer, "bias")
@@ -42,8 +43,7 @@ def run_row(mod, cfg, inp, ctx):
     layer = mod.RowParallelLinear.from_dense(_dense(inp["W"], inp.get("b"), ctx),
                                              input_is_parallel=cfg["parallel_input"], group=ctx.group)
     ctx.record_params(layer)
-    x_in = ctx.shard(inp["x"], -1) if cfg["parallel_input"] else inp["x"]
-    x = ctx.hand("x", x_in.clone()).requires_grad_(True)
+    x = ctx.hand("x", inp["x"].clone()).requires_grad_(True)   # its slice of X when input_is_parallel
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
