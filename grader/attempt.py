@@ -43,6 +43,17 @@ class Attempt:
                            setpriv=launcher == "torchrun", mode=mode).__enter__()
         give_to(jobdir, self.box.uid)       # read-only inside the box; the unprivileged uid must still enter it
         give_to(self.here, self.box.uid)
+        inputs = os.path.join(jobdir, "inputs")
+        # each rank's inputs: the fork launcher opens rank r's file for rank r before it drops to the box's uid,
+        # so the folder stays the grader's; torchrun's ranks start as that uid and must read it themselves
+        self.own_inputs = self.box.uid is not None and launcher != "torchrun"
+        if os.path.isdir(inputs) and self.box.uid is not None:
+            os.chmod(inputs, 0o700 if self.own_inputs else 0o755)
+        if self.box.uid is not None and not self.own_inputs:
+            self.box.notes.append("torchrun ranks start unprivileged: a rank could read another rank's inputs")
+        elif self.box.prefix and self.box.uid is None:
+            self.box.notes.append("not run as root: the ranks share your uid, so a rank could read another "
+                                  "rank's inputs")
         self.launch = None
 
     def _start(self, nproc: int | None, weeks, timeout: float, pg_timeout: float):
@@ -51,7 +62,9 @@ class Attempt:
                      timeout=timeout, kill_grace=KILL_GRACE, pg_timeout=pg_timeout, stream=self.stream,
                      preload=preloads(weeks), wrap=tuple(self.box.prefix) + self.wrap,
                      base_env=self.box.base_env(os.environ),
-                     env={"PYTHONPATH": _pythonpath(ROOT), "COURSE_STOP_GRACE": str(STOP_GRACE), **self.box.env},
+                     env={"PYTHONPATH": _pythonpath(ROOT), "COURSE_STOP_GRACE": str(STOP_GRACE), **self.box.env,
+                          **({"COURSE_RANK_INPUTS": os.path.join(self.jobdir, "inputs", "rank{rank}.pt")}
+                             if self.own_inputs else {})},
                      cwd=self.outdir, interactive=self.interactive)
 
     def hold(self, weeks, pg_timeout: float) -> "Attempt":

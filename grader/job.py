@@ -254,7 +254,7 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
                 gen = torch.Generator().manual_seed(it["seed"])
                 inputs[it["id"]] = case.make_inputs(it["config"], gen)
                 refs[it["id"]] = case.reference(it["config"], {k: v.clone() for k, v in inputs[it["id"]].items()})
-        os.makedirs(os.path.join(jobdir, "inputs"))
+        os.makedirs(os.path.join(jobdir, "inputs"), mode=0o700)   # the grader's: see Attempt.own_inputs
         for j, own in enumerate(rank_views(items, inputs)):
             torch.save(own, os.path.join(jobdir, "inputs", f"rank{j}.pt"))
         spec = {"item_timeout": ITEM_TIMEOUT, "graded_together": graded_together or [],

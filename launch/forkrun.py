@@ -83,8 +83,18 @@ def drop_privileges():
     os.setresuid(uid, uid, uid)
 
 
+def open_own_inputs(rank: int):
+    """Open this rank's own input file (COURSE_RANK_INPUTS, a path with {rank}) while the launcher's identity
+    can still read it, and hand the rank the descriptor (COURSE_INPUT_FD): after the privilege drop no rank
+    can open another rank's file (the grader keeps the folder to itself)."""
+    template = os.environ.pop("COURSE_RANK_INPUTS", None)
+    if template:
+        os.environ["COURSE_INPUT_FD"] = str(os.open(template.format(rank=rank), os.O_RDONLY))
+
+
 def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd, result_fd):
     apply_rlimits()
+    open_own_inputs(rank)
     drop_privileges()
     os.dup2(write_fd, 1)
     os.dup2(write_fd, 2)

@@ -93,7 +93,10 @@ def main(attempt: str) -> int:
     rank, world, device = init_process_group(timeout_s=spec["pg_timeout"])
     torch.set_num_threads(1)
     student_dir = os.path.realpath(spec["student"])
-    inputs_all = torch.load(spec["inputs"].format(rank=rank), weights_only=True)   # this rank's own inputs
+    own = os.environ.pop("COURSE_INPUT_FD", None)    # opened for this rank alone by the fork launcher
+    with (os.fdopen(int(own), "rb") if own else open(spec["inputs"].format(rank=rank), "rb")) as f:
+        inputs_all = torch.load(f, weights_only=True)   # this rank's own inputs, nothing of its peers'
+
     timeout = datetime.timedelta(seconds=spec["pg_timeout"])
 
     # the harness's own group: between items, outside any student code (bounded by the wall clock only)

@@ -1,0 +1,130 @@
+"""A grade rests on evidence the student's process cannot forge: each rank holds only its own inputs, what a
+box leaves behind is read without blocking or trusting its types, and nothing runs unboxed by accident."""
+import os
+import shutil
+import textwrap
+
+import pytest
+import torch
+
+from grader.attempt import RESULT_LIMIT, _load_rank_file, malformed_results
+from tests.corpus import solution_modules
+
+needs_box = pytest.mark.skipif(shutil.which("bwrap") is None or os.geteuid() != 0,
+                               reason="needs bubblewrap and root (make test installs it; CI runs as root)")
+
+PEEK = textwrap.dedent("""
+    import json as _json, os as _os
+    _spec = _json.load(open(_os.path.join("..", "spec.json")))
+    _mine = int(_os.environ["RANK"])
+    _read = []
+    for _r in range(4):
+        try:
+            open(_spec["inputs"].format(rank=_r), "rb").read(1)
+            _read.append(_r)
+        except OSError:
+            pass
+    if _read:
+        raise RuntimeError(f"PEEKED rank {_mine} read the input files of ranks {_read}")
+""")
+
+
+@needs_box
+def test_a_rank_cannot_open_another_ranks_inputs():
+    """The fork launcher opens rank r's input file for rank r before dropping to the box's uid: afterwards no
+    rank, whatever it runs, can open any rank's file (its own comes as an open descriptor)."""
+    from grader.job import run_checks
+    module = solution_modules("week02")["tp_linear.py"]
+    rep = run_checks(["week02/column_parallel"], {"tp_linear.py": PEEK + module}, sandbox="on")
+    assert rep.passed, rep.cases["week02/column_parallel"].message()
+
+
+def test_week02_ranks_receive_only_their_blocks():
+    """What a rank receives has every other rank's block of a dense weight poisoned (NaN) and its
+    activations sharded as a real rank's are; the full tensors stay with the trusted process."""
+    from grader.job import plan_items, rank_views
+    from grader.case import get_case
+    items = [it for it in plan_items(["week02/column_parallel_local", "week02/row_parallel_input_parallel"],
+                                     fresh_seed=False) if it["t"] == 2]
+    inputs = {it["id"]: get_case(it["case"]).make_inputs(it["config"], torch.Generator().manual_seed(it["seed"]))
+              for it in items}
+    views = rank_views(items, inputs)
+    col, row = (it["id"] for it in items)
+    for r in range(2):
+        w = views[r][col]["W"]
+        assert torch.isnan(w).sum() == w.numel() // 2 and not torch.isnan(w.chunk(2, 0)[r]).any()
+        assert views[r][col]["dy"].shape[-1] == inputs[col]["dy"].shape[-1] // 2
+        assert torch.equal(views[r][row]["x"], inputs[row]["x"].chunk(2, -1)[r])
+        assert not torch.isnan(views[r][row]["W"].chunk(2, 1)[r]).any() and torch.isnan(views[r][row]["W"]).any()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_odd_files_in_out_become_verdicts_not_hangs(tmp_path):
+    """A FIFO, a symlink or an oversized file where a rank's results belong is a verdict at once."""
+    fifo = tmp_path / "rank0.pt"
+    os.mkfifo(fifo)
+    res, why = _load_rank_file(str(fifo), 0, None)
+    assert res == {} and "not a regular file" in why
+    link = tmp_path / "rank1.pt"
+    link.symlink_to("/etc/passwd")
+    assert "not a regular file" in _load_rank_file(str(link), 1, None)[1]
+    big = tmp_path / "rank2.pt"
+    with open(big, "wb") as f:
+        f.truncate(RESULT_LIMIT + 1)
+    assert "over the" in _load_rank_file(str(big), 2, None)[1]
+
+
+@pytest.mark.parametrize("bad,why", [
+    ({"i@t2": {"group": [0, 1], "params": [1, 2]}}, "`params` is a list"),
+    ({"i@t2": {"group": "01"}}, "`group` is a str"),
+    ({"i@t2": {"group": [0, 1], "tensors": {"y": [1.0]}}}, "other than tensors"),
+    ({"i@t2": {"group": [0, 1], "ledger": [{"op": {"x": 1}}]}}, "plain records"),
+    ({"i@t2": {"group": [0, 1], "verdict": "pass"}}, "unknown field"),
+    ([1, 2], "not a dict"),
+])
+def test_results_of_the_wrong_type_are_named(tmp_path, bad, why):
+    assert why in malformed_results(bad)
+    path = tmp_path / "rank0.pt"
+    torch.save(bad, path)
+    res, msg = _load_rank_file(str(path), 0, None)
+    assert res == {} and "malformed" in msg and why in msg
+
+
+def test_good_results_pass_the_type_check():
+    assert malformed_results({"i@t2": {"group": [0, 1], "tensors": {"y": torch.ones(2), "db": None},
+                                       "params": {"weight": [4, 8]}, "ledger": [{"op": "all_reduce", "bytes": 8,
+                                                                                 "shape": [2], "phase": "forward"}],
+                                       "error": "", "seconds": 0.1},
+                              "j@t2": {"group": [0, 1], "skipped": "week02/x"}}) is None
+
+
+def test_no_bubblewrap_refuses_to_grade(monkeypatch):
+    """Without bubblewrap grading refuses, naming the fix, unless GRADER_SANDBOX=off says so explicitly."""
+    from grader import sandbox
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    with pytest.raises(sandbox.SandboxUnavailable, match="GRADER_SANDBOX=off"):
+        sandbox.Sandbox(mode="auto").__enter__()
+    with sandbox.Sandbox(mode="off") as box:
+        assert box.prefix == [] and "sandbox off" in box.notes[0]
+
+
+SHADOW = textwrap.dedent("""
+    import sys as _sys
+    _stat = _sys.modules.get("statistics")
+    if _stat is not None and not getattr(_stat, "__file__", "").startswith(_sys.base_prefix):
+        raise RuntimeError("SHADOWED statistics came from " + _stat.__file__)
+    import statistics as _s2
+    if not _s2.__file__.startswith(_sys.base_prefix):
+        raise RuntimeError("SHADOWED statistics came from " + _s2.__file__)
+""")
+
+
+def test_a_submission_cannot_shadow_the_standard_library():
+    """An extra `%%writefile statistics.py` (or torch.py, tpkit.py) is never imported in place of the real
+    one: the student's folder is last on sys.path and the graded module is imported by its path."""
+    from grader.job import run_checks
+    module = solution_modules("week02")["tp_linear.py"]
+    src = {"tp_linear.py": SHADOW + module, "statistics.py": "raise SystemExit('SHADOWED at import')\n",
+           "tpkit.py": "raise SystemExit('SHADOWED tpkit')\n"}
+    rep = run_checks(["week02/column_parallel"], src, sandbox="off")
+    assert rep.passed, rep.cases["week02/column_parallel"].message()
