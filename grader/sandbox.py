@@ -13,8 +13,10 @@ A box is a bubblewrap command prefix (`Sandbox.prefix`). What runs inside:
   and sees only the allowlist;
 - reaches no network but its own loopback (a new network namespace), has its own PID, IPC and UTS
   namespaces, dies with its parent, gets a clean environment (an allowlist of variables);
-- cannot fork-bomb the machine (pids cgroup), hog memory (RLIMIT_AS per rank), fill the disk
-  (RLIMIT_FSIZE) or spin forever on CPU (RLIMIT_CPU; the job wall clock comes first anyway).
+- cannot fork-bomb the machine (pids cgroup), hog memory (RLIMIT_AS per rank, a memory cgroup per job,
+  a size-capped /tmp), starve a job graded beside it (a cpu cgroup per job: equal shares, however many
+  processes it starts), fill the disk (RLIMIT_FSIZE) or spin forever on CPU (RLIMIT_CPU; the job wall
+  clock comes first anyway).
 Student code is never unboxed by accident: without bubblewrap the box refuses (`SandboxUnavailable`)
 unless GRADER_SANDBOX=off says so explicitly (your own kernel, your own code). Where a lesser tool is
 missing (setpriv, a pids cgroup) the box degrades and says so in `notes`; GRADER_SANDBOX=on makes that an
@@ -34,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 from grader import ROOT
 
-PIDS_ROOT = "/sys/fs/cgroup/pids"
+CGROUP_ROOT = "/sys/fs/cgroup"
 NOBODY = 65534
 # what a grading rank imports of the course; a kernel gets the teaching library and the launcher only
 RANK_VIEW = ("launch", "tpkit", "grader/__init__.py", "grader/rank")
@@ -54,6 +56,17 @@ class Limits:
     file_bytes: int = 64 << 20       # largest file a rank may write
     cpu_seconds: int = 600           # CPU time per rank
     pids: int = 1024                 # tasks (processes + threads) in the whole job: gloo groups are threads
+    job_memory_bytes: int = 4 << 30  # resident memory of the whole job, its /tmp included (memory cgroup)
+    tmp_bytes: int = 256 << 20       # the box's private /tmp (tmpfs: memory the machine would otherwise give)
+    # CPU: the job gets its own cpu cgroup with the default weight, so however many processes it starts, a job
+    # graded beside it still gets an equal share of the cores
+
+
+def cgroup_settings(limits: Limits) -> dict[str, dict[str, str]]:
+    """controller -> {file: value} of one job's cgroups (cgroup v1 hierarchies under CGROUP_ROOT)."""
+    return {"pids": {"pids.max": str(limits.pids)},
+            "memory": {"memory.limit_in_bytes": str(limits.job_memory_bytes)},
+            "cpu": {"cpu.shares": "1024"}}
 
 
 def rlimits_env(limits: Limits) -> dict:
@@ -133,7 +146,7 @@ class Sandbox:
     prefix: list[str] = field(default_factory=list)
     env: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    cgroup: str | None = None
+    cgroups: list[str] = field(default_factory=list)
     uid: int | None = None
 
     def __enter__(self) -> "Sandbox":
@@ -173,7 +186,8 @@ class Sandbox:
                 args += ["--symlink", os.readlink(path), path]
             elif os.path.isdir(path):
                 args += ["--ro-bind", path, path]
-        args += ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp"]
+        args += ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--size", str(self.limits.tmp_bytes),
+                 "--tmpfs", "/tmp"]
         for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"):
             if os.path.exists(d):               # NCCL ranks need their GPUs
                 args += ["--dev-bind", d, d]
@@ -211,27 +225,35 @@ class Sandbox:
         return clean_env(env, {**self.env, "HOME": self.chdir or "/tmp"})
 
     def _cgroup(self):
-        if not os.access(PIDS_ROOT, os.W_OK):
-            self.notes.append(f"no writable pids cgroup at {PIDS_ROOT}: a fork bomb is bounded by the wall clock only")
-            return
-        path = os.path.join(PIDS_ROOT, f"grader-{uuid.uuid4().hex[:12]}")
-        try:
-            os.mkdir(path)
-            with open(os.path.join(path, "pids.max"), "w") as f:
-                f.write(str(self.limits.pids))
-        except OSError as exc:
-            self.notes.append(f"could not create a pids cgroup ({exc}): a fork bomb is bounded by the wall clock only")
-            return
-        self.cgroup = path
-        # join the cgroup before exec, so everything the job starts is counted from its first fork
-        self.prefix = ["/bin/sh", "-c", f'echo $$ > {path}/cgroup.procs && exec "$@"', "sh"]
+        """One cgroup per controller for this job; the box's first process joins them all before exec, so
+        everything the job starts is counted from its first fork. A controller that cannot be used is a note."""
+        name = f"grader-{uuid.uuid4().hex[:12]}"
+        for controller, files in cgroup_settings(self.limits).items():
+            path = os.path.join(CGROUP_ROOT, controller, name)
+            try:
+                if not os.access(os.path.dirname(path), os.W_OK):
+                    raise OSError(f"no writable {controller} cgroup at {os.path.dirname(path)}")
+                os.mkdir(path)
+                for fname, value in files.items():
+                    with open(os.path.join(path, fname), "w") as f:
+                        f.write(value)
+            except OSError as exc:
+                self.notes.append(f"no {controller} limit for the job ({exc})")
+                if os.path.isdir(path):
+                    os.rmdir(path)
+                continue
+            self.cgroups.append(path)
+        if self.cgroups:
+            join = " && ".join(f"echo $$ > {p}/cgroup.procs" for p in self.cgroups)
+            self.prefix = ["/bin/sh", "-c", f'{join} && exec "$@"', "sh"]
 
     def __exit__(self, *exc):
-        if self.cgroup:
+        pids_group = next((p for p in self.cgroups if "/pids/" in p), None)
+        if pids_group:
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:   # a fork bomb's last children may still be forking
                 try:
-                    pids = [int(p) for p in open(os.path.join(self.cgroup, "cgroup.procs")).read().split()]
+                    pids = [int(p) for p in open(os.path.join(pids_group, "cgroup.procs")).read().split()]
                 except OSError:
                     break
                 if not pids:
@@ -242,12 +264,14 @@ class Sandbox:
                     except ProcessLookupError:
                         pass
                 time.sleep(0.05)
+        for path in self.cgroups:
             try:
-                os.rmdir(self.cgroup)
+                os.rmdir(path)
             except OSError:
                 pass
+        self.cgroups = []
         return False
 
     def describe(self) -> dict:
-        return {"prefix": self.prefix, "limits": asdict(self.limits), "notes": self.notes, "cgroup": self.cgroup,
+        return {"prefix": self.prefix, "limits": asdict(self.limits), "notes": self.notes, "cgroups": self.cgroups,
                 "uid": self.uid}

@@ -128,3 +128,19 @@ def test_a_submission_cannot_shadow_the_standard_library():
            "tpkit.py": "raise SystemExit('SHADOWED tpkit')\n"}
     rep = run_checks(["week02/column_parallel"], src, sandbox="off")
     assert rep.passed, rep.cases["week02/column_parallel"].message()
+
+
+@needs_box
+def test_a_job_is_bounded_in_memory_cpu_share_and_tmp():
+    """Every job has its own pids, memory and cpu cgroups (a hog cannot starve the job graded beside it) and
+    a size-capped /tmp; what could not be set up is said in the box's notes."""
+    from grader.sandbox import Limits, Sandbox
+    probe = ("import os; print(sorted(l.split(':')[1] for l in open('/proc/self/cgroup') if 'grader-' in l)); "
+             "s = os.statvfs('/tmp'); print(s.f_blocks * s.f_frsize)")
+    import subprocess
+    import sys
+    with Sandbox(mode="on", limits=Limits(tmp_bytes=64 << 20), chdir="/tmp") as box:
+        out = subprocess.run(box.prefix + [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    controllers, tmp = out.stdout.splitlines()
+    assert controllers == str(sorted(["cpu", "memory", "pids"])), (out.stdout, out.stderr, box.notes)
+    assert int(tmp) <= 64 << 20
