@@ -69,10 +69,6 @@ class RunResult:
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         return f"rank {rank} failed first ({how}):\n" + (text[i:] if i >= 0 else text[-4000:])
 
-    def raise_for_failure(self):
-        if not self.ok:
-            raise RuntimeError(self.root_cause())
-
 
 class _WarmJob:
     """A job forked by the warm launcher, with the bits of Popen that run() uses."""

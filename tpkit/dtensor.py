@@ -30,11 +30,6 @@ def local_shape(p: torch.Tensor) -> list[int]:
     return list(p.to_local().shape) if isinstance(p, DTensor) else list(p.shape)
 
 
-def local_param_bytes(module: torch.nn.Module) -> int:
-    return sum(int(p.to_local().numel() if isinstance(p, DTensor) else p.numel()) * p.element_size()
-               for p in module.parameters())
-
-
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     """This rank's gradient in the parameter's own layout (what an optimizer step would use).
 

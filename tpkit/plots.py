@@ -11,9 +11,6 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
-EMPTY = 0
-
-
 def rank_color(r: int):
     return plt.get_cmap("tab10")(r % 10)
 
@@ -112,80 +109,4 @@ def ring_steps_figure(t: int = 4):
     fig.suptitle(f"Ring reduce-scatter, t = {t}: each step every rank sends one chunk to its right "
                  "neighbour (thick: the chunk just received and added)", fontsize=9)
     fig.tight_layout()
-    return fig
-
-
-def latency_plot(sizes_bytes, seconds, fit=None, label="measured", ax=None, extra_lines=(), title=""):
-    """Log-log latency vs message size. fit: callable bytes -> seconds. extra_lines: (x, y, label, style)."""
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.loglog(sizes_bytes, [s * 1e6 for s in seconds], "o", label=label)
-    if fit is not None:
-        ax.loglog(sizes_bytes, [fit(b) * 1e6 for b in sizes_bytes], "-", label="alpha-beta fit")
-    for x, y, lab, style in extra_lines:
-        ax.loglog(x, [v * 1e6 for v in y], style, label=lab)
-    ax.set_xlabel("tensor size N (bytes)")
-    ax.set_ylabel("time per all_reduce (µs)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=10)
-    return ax
-
-
-def _matrix(ax, x0, shape, split, t, kind, label):
-    """Draw a (rows, cols) matrix at x0: split None|'rows'|'cols'; kind 'own'|'replicated'|'partial'."""
-    h, w = shape
-    for r in range(t if split else 1):
-        if split == "rows":
-            box = (x0, h - (r + 1) * h / t, w, h / t)
-        elif split == "cols":
-            box = (x0 + r * w / t, 0, w / t, h)
-        else:
-            box = (x0, 0, w, h)
-        if kind == "replicated":
-            ax.add_patch(Rectangle(box[:2], box[2], box[3], facecolor="0.8", edgecolor="k", lw=0.8))
-        elif kind == "partial":                         # every rank holds a full-size partial sum
-            for k in range(t):
-                ax.add_patch(Rectangle((box[0] + k * box[2] / t, box[1]), box[2] / t, box[3],
-                                       facecolor=rank_color(k), alpha=0.6, edgecolor="none"))
-            ax.add_patch(Rectangle(box[:2], box[2], box[3], fill=False, edgecolor="k", lw=0.8))
-        else:
-            ax.add_patch(Rectangle(box[:2], box[2], box[3], facecolor=rank_color(r), edgecolor="k", lw=0.8))
-            ax.text(box[0] + box[2] / 2, box[1] + box[3] / 2, f"{r}", ha="center", va="center", fontsize=8,
-                    color="white", fontweight="bold")
-    ax.text(x0 + w / 2, h + 0.4, label, ha="center", va="bottom", fontsize=9)
-
-
-def tp_blocks_figure(t: int = 4, batch: float = 2.0, d_in: float = 4.0, d_out: float = 4.0):
-    """Which rank holds which block of X (B, in), W (out, in) and Y (B, out) in column- and row-parallel
-    linear layers. Colour = the rank that holds the block; grey = replicated on every rank;
-    striped = every rank holds a different partial sum of the same full-size block."""
-    fig, axes = plt.subplots(2, 1, figsize=(8.2, 5.0))
-    layouts = [
-        ("column-parallel: W split by output features (rows); Y_r = X W_r^T is local",
-         [("X (B, in): replicated", (batch, d_in), None, "replicated"),
-          ("W (out, in): row blocks", (d_out, d_in), "rows", "own"),
-          ("Y (B, out): column blocks", (batch, d_out), "cols", "own")]),
-        ("row-parallel: W split by input features (columns); Y = Σ_r X_r W_r^T needs an all-reduce",
-         [("X (B, in): column blocks", (batch, d_in), "cols", "own"),
-          ("W (out, in): column blocks", (d_out, d_in), "cols", "own"),
-          ("X_r W_r^T: partial sums", (batch, d_out), None, "partial"),
-          ("Y after all-reduce", (batch, d_out), None, "replicated")]),
-    ]
-    for ax, (title, mats) in zip(axes, layouts):
-        x0 = 0.0
-        for label, shape, split, kind in mats:
-            _matrix(ax, x0, shape, split, t, kind, label)
-            x0 += shape[1] + 1.6
-        ax.set_xlim(-0.3, x0 - 1.0)
-        ax.set_ylim(-0.3, max(d_out, batch) + 1.2)
-        ax.set_aspect("equal")
-        ax.axis("off")
-        ax.set_title(title, fontsize=10)
-    handles = [Rectangle((0, 0), 1, 1, color=rank_color(r)) for r in range(t)] + \
-              [Rectangle((0, 0), 1, 1, color="0.8")]
-    fig.legend(handles, [f"rank {r}" for r in range(t)] + ["every rank (replicated)"], loc="lower center",
-               ncol=t + 1, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
