@@ -56,6 +56,10 @@ class Case:
     # tensors); a dense tensor an API hands over has the other ranks' parts poisoned (NaN). The full inputs and
     # the expected values stay in the trusted process. None: every rank receives the full inputs.
     rank_inputs: Callable[[dict, dict, int, int], dict] | None = None
+    # (cfg, what one rank returned) -> the tensors compared with `expected`, computed here in the trusted process:
+    # a task whose answer is plain data (a schedule) is returned as data and evaluated (simulated) where the
+    # student's code cannot reach the evaluator. Raises ValueError on data of the wrong type.
+    evaluate: Callable[[dict, dict], dict] | None = None
 
 
 def shard(t: torch.Tensor, r: int, n: int, dim: int) -> torch.Tensor:

@@ -144,3 +144,30 @@ def test_a_job_is_bounded_in_memory_cpu_share_and_tmp():
     controllers, tmp = out.stdout.splitlines()
     assert controllers == str(sorted(["cpu", "memory", "pids"])), (out.stdout, out.stderr, box.notes)
     assert int(tmp) <= 64 << 20
+
+
+SWAP_SIMULATOR = textwrap.dedent("""
+    import tpkit.pipeline as _pl
+
+    def _perfect(schedule, m=None, v=1, t_f=1.0, t_b=2.0, t_w=1.0):
+        p = len(schedule)
+        return _pl.Timeline(p=p, m=m, v=v, events=[[] for _ in range(p)], busy=[0.0] * p,
+                            peak_in_flight=[min(p - s, m) for s in range(p)], split=False)
+    _pl.simulate.__code__ = _perfect.__code__         # the simulator now says every schedule is perfect
+
+    def gpipe(p, m):
+        return [[("F", i) for i in range(m)] for _ in range(p)]       # no backward at all
+
+    def one_f_one_b(p, m):
+        return gpipe(p, m)
+""")
+
+
+def test_schedules_are_simulated_where_the_student_cannot_reach():
+    """A schedule is plain data: the trusted process simulates it, so rewriting the rank's simulator (its
+    __code__, the module, anything in the rank's process) changes nothing."""
+    from grader.job import run_checks
+    rep = run_checks(["week09/schedule"], {"pipeline_lab.py": SWAP_SIMULATOR}, sandbox="off")
+    msg = rep.cases["week09/schedule"].message()
+    assert not rep.passed, msg
+    assert "runs each F(mb) and B(mb) once" in msg, msg          # the trusted simulator saw no backward

@@ -51,7 +51,8 @@ class Timeline:
         return sum(self.idle) / (self.p * self.makespan) if self.makespan else 0.0
 
 
-def _norm(a) -> tuple:
+def normalize_action(a) -> tuple:
+    """('F'|'B'|'W', mb[, chunk]) -> (kind, mb, chunk); a ValueError that says the format otherwise."""
     if not isinstance(a, (tuple, list)) or len(a) not in (2, 3) or a[0] not in ("F", "B", "W"):
         raise ValueError(f"an action must be ('F'|'B'|'W', mb) or ('F'|'B'|'W', mb, chunk); got {a!r}")
     return (a[0], int(a[1]), int(a[2]) if len(a) == 3 else 0)
@@ -69,7 +70,7 @@ def simulate(schedule, m: int | None = None, v: int = 1, t_f: float = 1.0, t_b: 
     `problems`, and a dependency that can never be met stops the simulation with `stuck`.
     """
     p = len(schedule)
-    acts = [[_norm(a) for a in row] for row in schedule]
+    acts = [[normalize_action(a) for a in row] for row in schedule]
     if m is None:
         m = 1 + max((a[1] for row in acts for a in row), default=-1)
     split = any(a[0] == "W" for row in acts for a in row)

@@ -57,8 +57,8 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 30. at most p micro-batches in flight (F until W) on any stage -> `micro-batches in flight per stage beyond p`
     (fixture zb_all_w_at_the_end)
 30 rules stated, 30 checked.
-Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> ctx.hand on the
-micro-batches and targets handed to run_pipeline (new).
+Course-wide rule, stated in the lab's introduction since issue 25: code may not write into the tensors it is given ->
+ctx.hand on the micro-batches and targets handed to run_pipeline.
 """
 from __future__ import annotations
 
@@ -82,10 +82,13 @@ from grader.rank.week09 import (
     SCENARIOS_HIDDEN,
     SPLIT,
     STUCK,
+    SCHEDULE,
     build_model,
+    decode_schedule,
     encode_actions,
     loss_fn,
     planner_tensors,
+    schedule_metrics,
     zb_h1_metrics,
 )
 from reference import planner, schedules
@@ -101,6 +104,15 @@ def _expected_schedule(kind, p, m):
             BUBBLE: torch.tensor(pl.bubble_formula(p, m), dtype=torch.float64),
             PEAK: torch.tensor([m if kind == "gpipe" else min(p - s, m) for s in range(p)]),
             ORDER: torch.stack([encode_actions(row, 2 * m) for row in ref])}
+
+
+def _evaluate_schedules(cfg, got):
+    """Run the schedules a rank returned (plain data) through the simulator, here in the trusted process."""
+    out = {}
+    for kind, p, m in cfg["schedules"]:
+        key = f"{kind}(p={p},m={m}) "
+        out.update({key + k: v for k, v in schedule_metrics(decode_schedule(got.get(key + SCHEDULE)), m).items()})
+    return out
 
 
 def _schedule_ref(cfg, inputs):
@@ -138,7 +150,7 @@ SCHEDULES_HIDDEN = [("gpipe", 3, 1), ("gpipe", 5, 6), ("1f1b", 1, 3), ("1f1b", 5
 for name, scheds in [("schedule", SCHEDULES), ("schedule_hidden", SCHEDULES_HIDDEN)]:
     register(Case(name=f"week09/{name}", module=MODULE, world_sizes=(2,), config={"schedules": scheds},
                   make_inputs=lambda cfg, gen: {"unused": torch.zeros(1)}, reference=_schedule_ref,
-                  run_rank="run_schedule", expected=lambda cfg, ref, r, t: ref,
+                  run_rank="run_schedule", expected=lambda cfg, ref, r, t: ref, evaluate=_evaluate_schedules,
                   contract=lambda cfg, t: Contract(allowed_ops=set()), seed=0,
                   hidden=name.endswith("hidden"), title="GPipe and 1F1B schedules", hints=_schedule_hints(scheds)))
 
@@ -196,6 +208,17 @@ def _pipe_hints(cfg):
     }
 
 
+def _own_pipe(cfg, d, r, t):
+    """Stage r of t: the token ids only on the first stage, the targets only on the last (a middle stage has
+    neither: everything it computes arrives over send/recv); the model's weights come from a shared seed."""
+    own = {"weight_seed": d["weight_seed"]}
+    if r == 0:
+        own["ids"] = d["ids"]
+    if r == t - 1:
+        own["targets"] = d["targets"]
+    return own
+
+
 _SMALL = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 4,
           "num_attention_heads": 2, "num_key_value_heads": 1}
 for name, cfg, seed in [
@@ -204,6 +227,7 @@ for name, cfg, seed in [
                                            num_key_value_heads=2), "batch": 6, "seq": 5, "micro_batches": 3}, None)]:
     register(Case(name=f"week09/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_pipe_inputs,
                   reference=_pipe_ref, run_rank="run_pipeline", expected=_expect_pipe, contract=None,
+                  rank_inputs=_own_pipe,
                   seed=seed, hidden=seed is None, title="pipeline over send/recv", hints=_pipe_hints(cfg)))
 
 
@@ -251,6 +275,13 @@ def _zb_ref(cfg, inputs):
     return out
 
 
+def _evaluate_zb(cfg, got):
+    out = {}
+    for p, m in cfg["shapes"]:
+        out.update(zb_h1_metrics(decode_schedule(got.get(f"zb_h1(p={p},m={m}) {SCHEDULE}")), p, m, cfg["costs"]))
+    return out
+
+
 def _zb_hints(cfg):
     h = {}
     for p, m in cfg["shapes"]:
@@ -280,6 +311,6 @@ for name, cfg in [("zb_h1", {"shapes": [(4, 8), (2, 4), (3, 6)], "costs": ZB_COS
                   ("zb_h1_hidden", {"shapes": [(5, 10), (4, 4), (6, 7), (1, 3)], "costs": ZB_COSTS_HIDDEN})]:
     register(Case(name=f"week09/{name}", module=MODULE, world_sizes=(2,), config=cfg,
                   make_inputs=lambda cfg, gen: {"unused": torch.zeros(1)}, reference=_zb_ref,
-                  run_rank="run_zb_h1", expected=lambda cfg, ref, r, t: ref,
+                  run_rank="run_zb_h1", expected=lambda cfg, ref, r, t: ref, evaluate=_evaluate_zb,
                   contract=lambda cfg, t: Contract(allowed_ops=set()), seed=0, hidden=name.endswith("hidden"),
                   title="zero-bubble ZB-H1 schedule", hints=_zb_hints(cfg)))

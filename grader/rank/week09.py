@@ -1,6 +1,6 @@
-"""Week 9 on a rank: execute the student's gpipe / one_f_one_b schedules with tpkit.pipeline.simulate and
-return what the simulation saw (where it got stuck, whether every action ran once, the bubble, the peak
-activations in flight) and the actions themselves (their order is the schedule); or run stage `rank` of the
+"""Week 9 on a rank: call the student's gpipe / one_f_one_b / zb_h1 and return the schedules as plain data
+(the trusted side runs tpkit.pipeline.simulate on them: where it gets stuck, whether every action ran once,
+the bubble, the peak activations in flight, the order); or run stage `rank` of the
 course model through the student's run_pipeline and return the loss (last stage), what the other stages
 returned, the bytes this stage sent, any collective other than send/recv, the stage's weight grads and the
 order in which the stage really ran its forwards and backwards (hooks on the stage: F(k) when its k-th
@@ -41,21 +41,54 @@ def encode_actions(actions, length: int) -> torch.Tensor:
 
 
 # -- task 1: schedules -------------------------------------------------------------
+# A schedule is plain data: the rank only calls the student's function and hands the actions over; the trusted
+# process runs the simulator on them (`schedule_metrics`), where the student's code cannot reach it.
+SCHEDULE = "schedule (kind 0 = F / 1 = B / 2 = W, micro-batch, chunk) per stage; kind -1 = padding"
+_KIND = {"F": 0, "B": 1, "W": 2}
+
+
+def encode_schedule(sched, p: int, m: int, name: str) -> torch.Tensor:
+    """A schedule as a (p, L, 3) int64 tensor of (kind, mb, chunk) rows padded with kind -1; a malformed one is
+    the student's error, said here (the trusted side then only decodes)."""
+    if not isinstance(sched, (list, tuple)) or len(sched) != p:
+        raise TypeError(f"{name} must return a list of {p} per-stage action lists; got {type(sched).__name__} of "
+                        f"length {len(sched) if hasattr(sched, '__len__') else '?'}")
+    rows = [[pl.normalize_action(a) for a in stage] for stage in sched]
+    cap = 6 * max(m, 1) + 16
+    for s, row in enumerate(rows):
+        if len(row) > cap:
+            raise ValueError(f"{name}: stage {s} has {len(row)} actions; a schedule of m={m} micro-batches has at "
+                             f"most 3m")
+    out = torch.full((p, max([len(r) for r in rows] + [1]), 3), -1, dtype=torch.int64)
+    for s, row in enumerate(rows):
+        if row:
+            out[s, :len(row)] = torch.tensor([(_KIND[k], mb, c) for k, mb, c in row], dtype=torch.int64)
+    return out
+
+
+def decode_schedule(enc) -> list[list[tuple]]:
+    """The trusted side's inverse of encode_schedule, checking the type of what a rank returned."""
+    if not isinstance(enc, torch.Tensor) or enc.dtype != torch.int64 or enc.dim() != 3 or enc.shape[-1] != 3:
+        raise ValueError("the schedule a rank returned is not a (p, L, 3) int64 tensor")
+    return [[("FBW"[k], mb, c) for k, mb, c in row.tolist() if k in (0, 1, 2)] for row in enc]
+
+
+def schedule_metrics(sched, m: int) -> dict:
+    """What the trusted side reads off a GPipe/1F1B schedule by running it: where it gets stuck, whether every
+    action ran once, the bubble, the peak activations in flight and the first 2m actions per stage."""
+    tl = pl.simulate(sched, m=m)
+    return {STUCK: torch.tensor(list(tl.stuck[:2]) if tl.stuck else [-1, -1]),
+            ONCE: torch.tensor(int(not any("never" in q or "times" in q or "outside" in q for q in tl.problems))),
+            BUBBLE: torch.tensor(tl.bubble_fraction if not tl.stuck else math.nan, dtype=torch.float64),
+            PEAK: torch.tensor(tl.peak_in_flight),
+            ORDER: torch.stack([encode_actions(list(row)[:2 * m], 2 * m) for row in sched])}
+
+
 def run_schedule(mod, cfg, inp, ctx):
     out = {}
     for kind, p, m in cfg["schedules"]:
-        sched = getattr(mod, "one_f_one_b" if kind == "1f1b" else "gpipe")(p, m)
-        if not isinstance(sched, (list, tuple)) or len(sched) != p:
-            raise TypeError(f"{kind}(p={p}, m={m}) must return a list of {p} per-stage action lists; "
-                            f"got {type(sched).__name__} of length {len(sched) if hasattr(sched, '__len__') else '?'}")
-        tl = pl.simulate(sched, m=m)
-        key = f"{kind}(p={p},m={m}) "
-        out[key + STUCK] = torch.tensor(list(tl.stuck[:2]) if tl.stuck else [-1, -1])
-        out[key + ONCE] = torch.tensor(int(not any("never" in q or "times" in q or "outside" in q
-                                                   for q in tl.problems)))
-        out[key + BUBBLE] = torch.tensor(tl.bubble_fraction if not tl.stuck else math.nan, dtype=torch.float64)
-        out[key + PEAK] = torch.tensor(tl.peak_in_flight)
-        out[key + ORDER] = torch.stack([encode_actions(list(row)[:2 * m], 2 * m) for row in sched])
+        fn = "one_f_one_b" if kind == "1f1b" else "gpipe"
+        out[f"{kind}(p={p},m={m}) {SCHEDULE}"] = encode_schedule(getattr(mod, fn)(p, m), p, m, f"{fn}(p={p}, m={m})")
     return out
 
 
@@ -216,11 +249,5 @@ def zb_h1_metrics(sched, p: int, m: int, costs) -> dict:
 
 
 def run_zb_h1(mod, cfg, inp, ctx):
-    out = {}
-    for p, m in cfg["shapes"]:
-        sched = mod.zb_h1(p, m)
-        if not isinstance(sched, (list, tuple)) or len(sched) != p:
-            raise TypeError(f"zb_h1(p={p}, m={m}) must return a list of {p} per-stage action lists; "
-                            f"got {type(sched).__name__} of length {len(sched) if hasattr(sched, '__len__') else '?'}")
-        out.update(zb_h1_metrics(sched, p, m, cfg["costs"]))
-    return out
+    return {f"zb_h1(p={p},m={m}) {SCHEDULE}": encode_schedule(mod.zb_h1(p, m), p, m, f"zb_h1(p={p}, m={m})")
+            for p, m in cfg["shapes"]}
