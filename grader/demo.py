@@ -17,7 +17,7 @@ from nbgrader.plugins.export import CsvExportPlugin
 from grader.nbgrader_tools import course_api
 from grader.gradebooks import gradebook
 from grader.nbgrader_tools import autograde, scratch_course
-from tests.corpus import build, load_manifest
+from grader.corpus import build, load_manifest
 
 WEEK = "week02"
 CLASS = [  # student id, submission (fixture name, or solution/stub)

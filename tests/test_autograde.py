@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 
 from grader.nbgrader_tools import ROOT, autograde, nbgrader, scratch_course, weeks
-from tests.corpus import FIXTURES, SECRET, build, load_manifest, plant_secret
+from grader.corpus import FIXTURES, SECRET, build, load_manifest, plant_secret
 
 WEEKS = weeks()
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grader.attempt import RESULT_LIMIT, _load_rank_file, malformed_results
-from tests.corpus import solution_modules
+from grader.corpus import solution_modules
 
 needs_box = pytest.mark.skipif(shutil.which("bwrap") is None or os.geteuid() != 0,
                                reason="needs bubblewrap and root (make test installs it; CI runs as root)")

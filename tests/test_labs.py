@@ -11,7 +11,7 @@ import pytest
 from grader.notebook import run_trusted
 from launch.runner import job_processes
 from grader.nbgrader_tools import ROOT, weeks
-from tests.corpus import FIXTURES, SECRET, build, expand, load_manifest, plant_secret
+from grader.corpus import FIXTURES, SECRET, build, expand, load_manifest, plant_secret
 
 WEEKS = weeks()
 FIXTURE_CASES = [(w, name) for w in WEEKS if os.path.exists(os.path.join(FIXTURES, w, "manifest.json"))

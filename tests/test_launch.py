@@ -135,7 +135,7 @@ def test_every_launcher_gives_the_same_verdict():
     """warm, fork and torchrun run the same ranks: identical tensors, identical ledgers."""
     from grader.job import run_checks
     from grader.notebook import module_sources
-    from tests.corpus import build
+    from grader.corpus import build
     src = module_sources(build("week02", {"base": "solution"}))
     tables = {}
     for launcher in ("warm", "fork", "torchrun"):

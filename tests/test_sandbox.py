@@ -174,7 +174,7 @@ def test_a_job_sees_nothing_of_the_previous_one():
     files, environment and processes the first job leaves are gone, and the second job cannot see them."""
     from grader.job import run_checks
     from launch.runner import job_processes
-    from tests.corpus import solution_modules
+    from grader.corpus import solution_modules
     module = solution_modules("week02")["tp_linear.py"]
     first = run_checks(["week02/column_parallel"], {"tp_linear.py": LEAVE_BEHIND + module}, sandbox="on")
     assert first.passed, first.cases["week02/column_parallel"].message()
@@ -190,7 +190,7 @@ def test_first_launch_held_while_the_grader_imports():
     from grader.attempt import hold_first_attempt
     from grader.job import run_checks
     from launch.runner import job_processes
-    from tests.corpus import solution_modules
+    from grader.corpus import solution_modules
     src = solution_modules("week02")
     names = ["week02/column_parallel"]
     assert hold_first_attempt(["../etc/column_parallel"]) is None      # a name no week has: no launch
