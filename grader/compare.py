@@ -111,7 +111,9 @@ def check_contract(contract: Contract, res: dict, rank: int) -> list[str]:
     for phase, want in contract.bytes_sent.items():
         got = sum(float(e.get("sent", 0)) for e in entries if phase == "all" or e.get("phase") == phase)
         if abs(got - want) > 0.01 * max(want, 1.0):
-            problems.append(f"rank {rank}: sent {got:.0f} bytes ({phase}); the ring optimum is {want:.0f}.")
+            why = contract.why.get(phase, "")
+            problems.append(f"rank {rank}: sent {got:.0f} bytes ({phase}); the ring optimum is {want:.0f}."
+                            + (f" {why}" if why else ""))
     if contract.params is not None:
         got = {str(k): tuple(v) for k, v in res.get("params", {}).items()}
         for name, shape in contract.params.items():
@@ -249,6 +251,8 @@ def compare_item(case: Case, item: dict, ref: dict, results: dict[int, dict | No
         v.comm = comm_summary(res)
         v.seconds = max(v.seconds, float(res.get("seconds", 0.0)))
     # every waiting rank names the deadlock as it saw it: the first picture is the whole story
+    if deadlock:     # a peer that lost its connection when a deadlocked rank left is part of the same story
+        fallout = []
     v.problems = comm + raised + deadlock[:1] + missing + fallout + [m for ms in tensors.values() for m in ms]
     v.passed = not v.problems
     return v

@@ -27,6 +27,7 @@ import torch
 from grader.attempt import Attempt
 from grader.case import get_case
 from grader.compare import ItemVerdict, compare_item, is_comm_error, rank_list
+from grader.rank.entry import DEADLOCKED
 from grader.timeouts import ITEM_TIMEOUT, PG_TIMEOUT, job_wall_clock
 
 
@@ -327,8 +328,10 @@ def _judgeable(items: list[dict], run, results: dict) -> list[dict]:
     ended_early = run.timed_out or any(results["progress"][r].get("phase") != "done" for r in range(world))
     if not ended_early or all(complete):
         return items
-    first = complete.index(False)
-    return [it for it, done in zip(items, complete) if done] + [items[first]]
+    done = [it for it, ok in zip(items, complete) if ok]
+    if DEADLOCKED in run.exitcodes.values():
+        return done         # a rank left a deadlocked check with its verdict written: the job stopped for that
+    return done + [items[complete.index(False)]]
 
 
 def _participants(it: dict, world: int) -> list[int]:

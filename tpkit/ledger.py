@@ -8,7 +8,8 @@ autograd backward alike. Nothing in torch.distributed is patched.
 Bytes are logical, never inferred from timings (gloo emulates reduce-scatter with
 all-reduce internally). For one tensor of N bytes on a group of t ranks, a ring sends
 per rank: all-reduce 2(t-1)/t N, all-gather and reduce-scatter (t-1)/t N (N = the full,
-gathered size), send N.
+gathered size), send N; an all-to-all the rows it sends to the other ranks ((t-1)/t N when even; with
+split sizes the entry also records them).
 """
 from __future__ import annotations
 
@@ -57,6 +58,27 @@ def _group_size(group_name: str, default: int) -> int:
         return default
 
 
+def _all_to_all_single(args, functional: bool, t: int) -> dict:
+    """all_to_all_single's split sizes (rows of dim 0; [] = even) and the bytes this rank sends to the OTHER
+    ranks: with uneven splits (MoE dispatch) that is not (t-1)/t of anything, so it is counted row by row.
+    The dispatcher's args: functional (input, output_splits, input_splits, group_name), else
+    (output, input, process_group, output_splits, input_splits, ...)."""
+    inp, out_splits, in_splits, pg = ((args[0], args[1], args[2], args[3]) if functional
+                                      else (args[1], args[3], args[4], args[2]))
+    try:
+        if isinstance(pg, str):
+            from torch.distributed.distributed_c10d import _resolve_process_group
+            me = _resolve_process_group(pg).rank()
+        else:
+            me = torch.distributed.ProcessGroup.unbox(pg).rank()
+    except Exception:
+        return {}
+    rows = list(in_splits) or [inp.shape[0] // t] * t
+    row_bytes = inp[0].numel() * inp.element_size() if inp.dim() and inp.shape[0] else 0
+    return {"bytes": int(inp.numel() * inp.element_size()), "in_splits": list(in_splits),
+            "out_splits": list(out_splits), "sent": float((sum(rows) - rows[me]) * row_bytes)}
+
+
 def ring_bytes_sent(op: str, full_bytes: int, t: int) -> float:
     """Bytes one rank sends for `op` on a ring of t ranks (full_bytes = the full tensor)."""
     if t <= 1:
@@ -80,6 +102,9 @@ class CommLedger(MeasuringMode):
         self.phase = "setup"
         self.entries: list[dict] = []
         self.progress_file = progress_file
+        # waiter(wait): runs a functional collective's wait (`_c10d_functional.wait_tensor`), which blocks in
+        # C++ where no Work.wait hook sees it; the grader's deadlock watch sets it to wait under its eye
+        self.waiter = None
 
     def set_phase(self, phase: str):
         self.phase = phase
@@ -104,6 +129,8 @@ class CommLedger(MeasuringMode):
         if any(t.__name__ == "DTensor" for t in types):
             return NotImplemented
         ns = func.namespace
+        if ns == "_c10d_functional" and func._opname == "wait_tensor" and self.waiter is not None:
+            return self.waiter(lambda: func(*args, **kwargs))
         if ns in ("c10d", "_c10d_functional"):
             name = _OPS.get(func._opname)
             if name is not None:
@@ -139,8 +166,11 @@ class CommLedger(MeasuringMode):
         dtype = str(tensors[0].dtype).replace("torch.", "") if tensors else ""
         shape = list(tensors[0].shape) if tensors else []
         index = sum(1 for e in self.entries if e["op"] == op) + 1
-        return {"phase": self.phase, "op": op, "index": index, "bytes": int(full), "dtype": dtype, "shape": shape,
-                "sent": float(ring_bytes_sent(op, full, t)), "group": t}
+        entry = {"phase": self.phase, "op": op, "index": index, "bytes": int(full), "dtype": dtype, "shape": shape,
+                 "sent": float(ring_bytes_sent(op, full, t)), "group": t}
+        if op == "all_to_all" and args and isinstance(args[0], torch.Tensor):
+            entry.update(_all_to_all_single(args, functional, t))
+        return entry
 
     # summaries -------------------------------------------------------------
     def counts(self, phase: str | None = None) -> dict[str, int]:

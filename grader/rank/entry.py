@@ -65,6 +65,7 @@ def import_by_path(name: str, student_dir: str):
     return module
 
 
+DEADLOCKED = 3           # exit status of a rank that left a deadlocked check (its verdict is in its results)
 _RESULT_FD: str | None = None   # read before any student code runs, so it cannot be swapped
 
 
@@ -183,6 +184,19 @@ def main(attempt: str) -> int:
                                    "joined it (the other ranks' messages say where they were).")
             raise GradingError(f"still running your code in {ledger.phase} after {item_timeout} s (not inside a "
                                "collective): an endless loop, a sleep, or far too much work?")
+        def give_up(message, item=item, res=res, ledger=ledger, ctx=ctx, t0=t0):
+            # called by the watch's thread while this rank is blocked in a wait gloo cannot abort: record the
+            # verdict as this item's result and leave; the launcher stops the job and the grader runs the
+            # remaining checks in fresh ranks (seconds, instead of the process-group timeout per check)
+            res.update(error=f"grader.rank.watch.Deadlock: {message}", seconds=time.perf_counter() - t0,
+                       params=ctx.params, ledger=list(ledger.entries))
+            results[item["id"]] = res
+            _save(out_path, results)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(DEADLOCKED)
+        watch.give_up = give_up
+        ledger.waiter = watch.wait_functional
         signal.signal(signal.SIGALRM, too_slow)
         signal.alarm(item_timeout)    # a Python-level hang; collectives have the process-group timeout
         try:

@@ -8,9 +8,12 @@ has finished the item, and they are not all waiting on the same collective, no w
 complete: that is a deadlock, and after the picture has held still for `STABLE_S` the first rank to see
 it raises `Deadlock`, which names who waits where, and publishes it: the group's other waiting ranks
 give up at once with the same picture. gloo completes a send/recv or a reduce-scatter only inside
-`wait()`, so a rank blocked in one cannot poll: a thread watches for it, and when the process-group
-timeout ends the wait the verdict is the picture the thread saw. The process-group timeout stays the backstop (and ends
-a rank blocked where no Work is waited on, e.g. a functional collective).
+`wait()`, and a functional collective (DTensor's) is waited in C++ (`_c10d_functional.wait_tensor`, which the
+ledger hands to `wait_functional`), so a rank blocked in one cannot poll: a thread watches for it, and once it
+sees the deadlock the rank cannot be unblocked from Python (gloo's wait ends only when a peer process goes or
+the process-group timeout fires), so the thread hands the verdict to `give_up` (the rank entry records it as
+the item's result and leaves; the grader runs the remaining checks in fresh ranks). The process-group timeout
+stays the backstop.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ class Watch:
         self.ranks: list[int] = []
         self.ledger = None
         self.waiting_on: str | None = None      # "all_reduce #2 (forward)" while blocked in a wait
+        self.give_up = None                      # give_up(message): record a deadlock verdict and leave (entry)
         work = torch._C._distributed_c10d.Work
         self._orig = work.wait
         watch = self
@@ -81,21 +85,36 @@ class Watch:
     def _read(self, job_rank: int) -> dict:
         return read_progress(self.progress_path(job_rank))
 
-    def _wait(self, work):
-        if work.is_completed():
-            return self._orig(work)
+    def _announce(self, kind: str | None):
+        """Publish which collective this rank now waits in: a send/recv, the latest of its kind; else the last issued."""
         entries = self.ledger.entries if self.ledger is not None else []
-        kind = _P2P_TYPES.get(int(work._get_op_type()))
-        if kind:        # a send or recv: the latest of that kind this rank issued
+        if kind:
             op, index = kind, sum(1 for e in entries if e.get("op") == kind) or "?"
-        else:           # a collective: the one just issued
+        else:
             op, index = (entries[-1].get("op"), entries[-1].get("index")) if entries else ("a collective", "?")
         self._write({"item": self.item, "where": "waiting", "op": op, "index": index,
                      "phase": getattr(self.ledger, "phase", "?")})
         self.waiting_on = f"{op} #{index} ({getattr(self.ledger, 'phase', '?')})"
+
+    def wait_functional(self, wait):
+        """A functional collective's wait (`wait()` runs `_c10d_functional.wait_tensor`): blocking, watched."""
+        if self.item is None:
+            return wait()
+        self._announce(None)
+        try:
+            return self._wait_blocking(wait)
+        finally:
+            self.waiting_on = None
+            self._write({"item": self.item, "where": "between collectives",
+                         "phase": getattr(self.ledger, "phase", "?")})
+
+    def _wait(self, work):
+        if work.is_completed():
+            return self._orig(work)
+        self._announce(_P2P_TYPES.get(int(work._get_op_type())))
         try:
             if int(work._get_op_type()) not in _POLLABLE:
-                return self._wait_blocking(work)
+                return self._wait_blocking(lambda: self._orig(work))
             self._poll(work.is_completed)
         except Deadlock as d:
             # published, so that the group's other waiting ranks give up at once with the same picture
@@ -128,22 +147,28 @@ class Watch:
             elif now - since >= (STABLE_P2P_S if all(s[0] == "finished" or s[1] in P2P for s in seen) else STABLE_S):
                 raise Deadlock(self._message(seen))
 
-    def _wait_blocking(self, work):
+    def _wait_blocking(self, wait):
         """gloo completes a send/recv or a reduce-scatter only inside wait(), so it cannot be polled: wait for
-        real, and let a thread watch the picture meanwhile. A deadlock cannot be broken from here (the
-        process-group timeout ends the wait), but what the thread saw becomes the verdict, not a bare timeout."""
+        real, and let a thread watch the picture meanwhile. A deadlock cannot be broken from here, so once the
+        thread sees one it publishes it and hands it to `give_up` (the rank records it and leaves at once);
+        without a give_up, the process-group timeout ends the wait and the picture becomes the verdict."""
         finished, seen = threading.Event(), []
+        item = self.item
 
         def watch():
             try:
                 self._poll(finished.is_set)
             except Deadlock as d:
                 seen.append(str(d))
+                if self.give_up is not None and not finished.is_set() and self.item == item:
+                    self.verdict = str(d)
+                    self._write({"item": item, "where": "deadlock", "message": self.verdict})
+                    self.give_up(self.verdict)
 
         thread = threading.Thread(target=watch, daemon=True)
         thread.start()
         try:
-            return self._orig(work)
+            return wait()
         except Exception as exc:
             if seen:
                 raise Deadlock(seen[0]) from exc
