@@ -13,6 +13,9 @@ export MPLBACKEND ?= module://matplotlib_inline.backend_inline
 # the self-study site and the browser tests (book/, tests/test_e2e.py)
 -include mk/e2e.mk
 E2E_DEPS := $(if $(wildcard mk/e2e.mk),e2e-deps,)
+# one-node SLURM, PostgreSQL gradebook, gpu-check (launch/slurm/, tests/test_cluster.py)
+-include mk/cluster.mk
+CLUSTER_DEPS := $(if $(wildcard mk/cluster.mk),cluster-deps,)
 
 .PHONY: venv sandbox-deps test demo lab labs notebooks bench clean
 
@@ -26,19 +29,19 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# bubblewrap isolates student ranks during grading; without it the grader warns and runs unboxed
+# bubblewrap isolates student ranks during grading; without it grading refuses (GRADER_SANDBOX=off: unboxed on purpose)
 sandbox-deps:
 	@command -v bwrap >/dev/null || { if [ "$$(id -u)" = 0 ]; then \
 	  (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null)); \
-	  else echo "warning: bubblewrap missing and not root: grading runs without the sandbox"; fi; }
+	  else echo "bubblewrap missing and not root: install it (sudo apt-get install bubblewrap), or grade unboxed on purpose with GRADER_SANDBOX=off"; fi; }
 
 # two passes: everything but the timed lecture cells on both cores, then the lectures alone (their
 # measured claims are asserted, and a neighbour's load must not move them)
-test: venv sandbox-deps $(E2E_DEPS)
+test: venv sandbox-deps $(E2E_DEPS) $(CLUSTER_DEPS)
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial" --durations=25 tests
 	$(PY) -m pytest -q -m serial --durations=10 tests
 
-demo: venv
+demo: venv sandbox-deps
 	$(PY) -m grader demo
 
 lab: venv
@@ -53,7 +56,7 @@ notebooks: venv
 	$(PY) -m grader execute-lectures
 
 # cold check, warm check and class-scale autograde timings on this machine
-bench: venv
+bench: venv sandbox-deps
 	$(PY) -m grader bench --n 20 --jobs 2
 
 clean:

@@ -1,5 +1,5 @@
 """python -m grader {check NOTEBOOK | demo | release [WEEK..] | execute-lectures [NB..] | autograde WEEK |
-merge-gradebooks DB SLICE.db.. | bench}"""
+merge-gradebooks DB SLICE.db.. | bench | gpu-check}"""
 from __future__ import annotations
 
 import argparse
@@ -48,7 +48,11 @@ def cmd_autograde(a) -> int:
             print(f"slice {a.slice}: no submissions to grade")
             return 0
     t0 = time.monotonic()
-    secs = autograde_class(course, a.week, jobs=a.jobs, students=students or None, db=a.db)
+    try:
+        secs = autograde_class(course, a.week, jobs=a.jobs, students=students or None, db=a.db)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
     print(summary(secs, time.monotonic() - t0))
     return 0
 
@@ -63,6 +67,11 @@ def cmd_merge(a) -> int:
 def cmd_bench(a) -> int:
     from grader.bench import main
     return main(n=a.n, jobs=a.jobs, repeats=a.repeats)
+
+
+def cmd_gpu_check(a) -> int:
+    from grader.gpu_check import main
+    return main()
 
 
 def main(argv=None) -> int:
@@ -88,8 +97,8 @@ def main(argv=None) -> int:
     g.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     g.add_argument("--course", default=".", help="the nbgrader course folder (default: here)")
     g.add_argument("--slice", default=None, help="K/N: grade only the K-th of N slices of the students")
-    g.add_argument("--db", default=None, help="grade into this gradebook file (one per slice) instead of the "
-                                             "course's gradebook.db")
+    g.add_argument("--db", default=None, help="grade into this gradebook file (one per slice), or a database URL "
+                                             "(postgresql+psycopg2://...), instead of the course config's db_url")
     g.set_defaults(fn=cmd_autograde)
     m = sub.add_parser("merge-gradebooks", help="copy the submissions of slice gradebooks into the course's")
     m.add_argument("target", help="the course's gradebook.db")
@@ -100,6 +109,8 @@ def main(argv=None) -> int:
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--repeats", type=int, default=3)
     b.set_defaults(fn=cmd_bench)
+    sub.add_parser("gpu-check", help="on a CUDA machine: the install, every lab on NCCL, the lectures' GPU cells"
+                   ).set_defaults(fn=cmd_gpu_check)
     a = p.parse_args(argv)
     return a.fn(a)
 

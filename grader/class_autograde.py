@@ -6,13 +6,15 @@ through nbgrader's API, then forks one worker per submission, N at a time. A wor
 checks in their own sandboxed job, the gradebook writes. So a submission pays for its kernel and its
 ranks, not for another Python, nbgrader and torch start. Workers share nothing but gradebook.db, which
 SQLite serialises; a student whose run still fails (a locked database) is graded again alone at the end.
+With a shared gradebook on PostgreSQL (nbgrader's `db_url`), drivers on many machines write into one
+database; a student another worker is grading at that moment is an error, never graded twice at once.
 """
 from __future__ import annotations
 
 import json
 import os
 
-from grader.nbgrader_tools import CONFIG, course_api
+from grader.nbgrader_tools import CONFIG, course_api, course_config
 import statistics
 import sys
 import tempfile
@@ -27,9 +29,9 @@ def students_with_submissions(course: str, week: str) -> list[str]:
     return sorted(s for s in os.listdir(d) if os.path.isdir(os.path.join(d, s, week)))
 
 
-def add_students(db: str, students: list[str]):
+def add_students(db_url: str, students: list[str]):
     from grader.gradebooks import gradebook
-    with gradebook(db) as gb:
+    with gradebook(db_url) as gb:
         for s in students:
             gb.update_or_create_student(s)
 
@@ -44,8 +46,12 @@ def slice_of(students: list[str], spec: str) -> list[str]:
     return sorted(students)[k::n]
 
 
-def _grade_in_child(course: str, week: str, student: str, report: str, db: str | None):
+TAKEN = 3   # a worker's exit status: another worker holds this student (grader.gradebooks.claim)
+
+
+def _grade_in_child(course: str, week: str, student: str, report: str, db_url: str):
     """In a forked worker: autograde one submission; write nbgrader's result, then leave."""
+    from grader.gradebooks import Taken, claim
     code = 1
     try:
         # this worker's and its kernel's chatter (nbgrader's SQLAlchemy warnings, ipykernel's banner) go to
@@ -53,10 +59,15 @@ def _grade_in_child(course: str, week: str, student: str, report: str, db: str |
         log = os.open(report[:-len(".json")] + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        result = course_api(course, db).autograde(week, student, force=True, create=True)
+        try:
+            with claim(db_url, week, student):
+                result = course_api(course, db_url).autograde(week, student, force=True, create=True)
+            out = {k: str(v) if k != "success" else bool(v) for k, v in result.items()}
+        except Taken as e:
+            out = {"success": False, "taken": str(e)}
         with open(report, "w") as f:
-            json.dump({k: str(v) if k != "success" else bool(v) for k, v in result.items()}, f)
-        code = 0 if result.get("success") else 1
+            json.dump(out, f)
+        code = 0 if out["success"] else TAKEN if "taken" in out else 1
     finally:
         os._exit(code)
 
@@ -73,18 +84,21 @@ def _warm():
 def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] | None = None,
                     out=sys.stdout, db: str | None = None) -> dict[str, float]:
     """Autograde every submission of `week` (or `students`); returns {student: seconds}. Raises if one cannot
-    be graded. `db`: grade into this gradebook (made from the course's, without its submissions, if new)
-    instead of the course's gradebook.db: one slice of a class graded apart (`grader.gradebooks`)."""
+    be graded. `db`: grade into this gradebook file (made from the course's, without its submissions, if new)
+    instead of the course's: one slice of a class graded apart (`grader.gradebooks`); or a database URL
+    (a shared gradebook). Default: the course config's `CourseDirectory.db_url`."""
     students = students or students_with_submissions(course, week)
     if not students:
         raise SystemExit(f"no submissions of {week} under {os.path.join(course, 'submitted')}/<student>/{week}/")
     if not os.path.exists(os.path.join(course, CONFIG)):
         raise SystemExit(f"{course} is not an nbgrader course of this repository: {CONFIG} is missing there")
     _warm()
-    if db and not os.path.exists(db):
+    from nbgrader.coursedir import CourseDirectory
+    if db and "://" not in db and not os.path.exists(db):
         from grader.gradebooks import new_slice
         new_slice(os.path.join(course, "gradebook.db"), db)
-    add_students(db or os.path.join(course, "gradebook.db"), students)
+    db_url = CourseDirectory(config=course_config(course, db)).db_url
+    add_students(db_url, students)
     reports = tempfile.mkdtemp(prefix="grader-class-")
     seconds: dict[str, float] = {}
     t0 = time.monotonic()
@@ -98,26 +112,33 @@ def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] |
                 student = queue.pop(0)
                 pid = os.fork()
                 if pid == 0:
-                    _grade_in_child(course, week, student, os.path.join(reports, f"{student}.json"), db)
+                    _grade_in_child(course, week, student, os.path.join(reports, f"{student}.json"), db_url)
                 running[pid] = (student, time.monotonic())
             pid, status = os.wait()
             if pid not in running:
                 continue
             student, started = running.pop(pid)
             seconds[student] = time.monotonic() - started
-            ok = os.waitstatus_to_exitcode(status) == 0
-            if not ok:
+            code = os.waitstatus_to_exitcode(status)
+            if code == TAKEN:
+                taken.append(student)
+            elif code != 0:
                 failed.append(student)
             done += 1
-            print(f"{label(done)} {student}: {seconds[student]:.1f} s ({'ok' if ok else 'will retry'}), "
+            state = {0: "ok", TAKEN: "taken by another worker"}.get(code, "will retry")
+            print(f"{label(done)} {student}: {seconds[student]:.1f} s ({state}), "
                   f"{time.monotonic() - t0:.0f} s elapsed", file=out, flush=True)
         return failed
 
     n = len(students)
+    taken: list[str] = []
     retry = run(students, max(1, jobs), lambda k: f"[{k}/{n}]")
     still = run(retry, 1, lambda k: "[retry]")
-    if still:
+    if still or taken:
         logs = []
+        for s in taken:
+            with open(os.path.join(reports, f"{s}.json")) as f:
+                logs.append(json.load(f)["taken"])
         for s in still:
             try:
                 with open(os.path.join(reports, f"{s}.json")) as f:
@@ -125,7 +146,7 @@ def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] |
                 logs.append(f"{s}: {r.get('log', '')[-3000:]}\n{r.get('error', '')[-1500:]}")
             except (OSError, ValueError):
                 logs.append(f"{s}: the worker ended without a report")
-        raise RuntimeError("autograde failed for " + ", ".join(still) + ":\n" + "\n".join(logs))
+        raise RuntimeError("autograde failed for " + ", ".join(still + taken) + ":\n" + "\n".join(logs))
     return seconds
 
 

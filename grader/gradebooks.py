@@ -6,6 +6,9 @@ slice's students and submissions (each grade and comment, the timestamp, late pe
 course's gradebook, which nbgrader made from the same source notebooks.
 
     python -m grader merge-gradebooks gradebook.db slices/gradebook-*.db
+
+Or every worker writes into one shared gradebook on a database server (nbgrader's `db_url`, e.g.
+`postgresql+psycopg2://...`): no merge, and `claim` keeps two workers off the same student.
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ from nbgrader.api import Gradebook, MissingEntry
 from sqlalchemy.exc import SAWarning
 
 
-def _url(path: str) -> str:
-    return f"sqlite:///{os.path.abspath(path)}"
+def url(db: str) -> str:
+    """A gradebook's SQLAlchemy URL: a database URL as given, a file path as SQLite."""
+    return db if "://" in db else f"sqlite:///{os.path.abspath(db)}"
 
 
 def alembic_on_path():
@@ -30,13 +34,52 @@ def alembic_on_path():
 
 
 @contextlib.contextmanager
-def gradebook(path: str):
-    """nbgrader's Gradebook on a file, without its SQLAlchemy autoflush notices on the console."""
+def gradebook(db: str):
+    """nbgrader's Gradebook on a file or database URL, without its SQLAlchemy autoflush notices on the console."""
     alembic_on_path()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=SAWarning)
-        with Gradebook(_url(path)) as gb:
+        with Gradebook(url(db)) as gb:
             yield gb
+
+
+class Taken(RuntimeError):
+    """Another worker is grading this student in the same shared gradebook."""
+
+
+@contextlib.contextmanager
+def claim(db_url: str, assignment: str, student: str):
+    """Hold `student`'s `assignment` in a shared PostgreSQL gradebook while it is graded: a session advisory
+    lock, released when this connection closes (a killed worker's too). nbgrader's own writes would
+    interleave two workers' grades of one student; a second worker gets `Taken` and writes nothing.
+    A SQLite gradebook belongs to one machine's driver, which never grades a student twice: no lock."""
+    if not db_url.startswith("postgresql"):
+        yield
+        return
+    import hashlib
+    import socket
+    from sqlalchemy import create_engine, text
+    key = int.from_bytes(hashlib.sha256(f"{assignment}/{student}".encode()).digest()[:8], "big", signed=True)
+    me = f"grader {socket.gethostname()} pid {os.getpid()}"
+    # autocommit: the session lock needs no transaction, and an idle-in-transaction session for the whole
+    # grading would hold back the server's vacuum
+    engine = create_engine(db_url, isolation_level="AUTOCOMMIT", connect_args={"application_name": me})
+    try:
+        with engine.connect() as conn:
+            if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
+                holder = conn.execute(text(
+                    "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                    "WHERE l.locktype = 'advisory' AND l.granted AND l.classid = :hi AND l.objid = :lo"),
+                    {"hi": (key >> 32) & 0xFFFFFFFF, "lo": key & 0xFFFFFFFF}).scalar()
+                raise Taken(f"{student}'s {assignment} is being graded by another worker ({holder or 'unknown'}) "
+                            "in the same gradebook: not graded here, its grades left as that worker writes them; "
+                            "give each worker its own students (--slice K/N)")
+            try:
+                yield
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+    finally:
+        engine.dispose()
 
 
 def new_slice(course_db: str, path: str):

@@ -35,17 +35,25 @@ def nbgrader(args: list[str], course: str, check: bool = True) -> subprocess.Com
     return p
 
 
+def course_config(course: str, db: str | None = None):
+    """The course's nbgrader_config.py, rooted at `course`; gradebook `db` (a file or a database URL) if given,
+    else the config's `CourseDirectory.db_url` (nbgrader's default: `course`/gradebook.db)."""
+    from traitlets.config.loader import PyFileConfigLoader
+    from grader.gradebooks import url
+    config = PyFileConfigLoader(CONFIG, path=course).load_config()
+    config.CourseDirectory.root = course
+    if db:
+        config.CourseDirectory.db_url = url(db)
+    return config
+
+
 def course_api(course: str, db: str | None = None):
     """nbgrader's API on `course`, configured by the course's nbgrader_config.py (gradebook `db` if given)."""
     from nbgrader.apps.api import NbGraderAPI
     from nbgrader.coursedir import CourseDirectory
-    from traitlets.config.loader import PyFileConfigLoader
     from grader.gradebooks import alembic_on_path
     alembic_on_path()
-    config = PyFileConfigLoader(CONFIG, path=course).load_config()
-    config.CourseDirectory.root = course
-    if db:
-        config.CourseDirectory.db_url = f"sqlite:///{os.path.abspath(db)}"
+    config = course_config(course, db)
     return NbGraderAPI(coursedir=CourseDirectory(config=config), config=config)
 
 

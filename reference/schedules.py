@@ -67,7 +67,10 @@ def zb_h1(p: int, m: int) -> list[list[tuple]]:
     pairs whose W it postpones, then (F, B, W) triples; the cool-down alternates B and W and
     ends with the postponed W's. A micro-batch stays in flight until its W, so every rank holds
     at most p of them: the first rank's peak, the same as 1F1B's (1F1B: p - s on rank s).
-    The postponed W's fill the cool-down idle time that 1F1B has on the first ranks."""
+    Rank s postpones s W's, so the later stages carry the most into the cool-down: they fill the time
+    in which 1F1B leaves those stages idle at the end of the step while the last gradients travel back
+    to the first stages. Rank 0 postpones none; its waits shrink because a gradient now travels back one
+    B (not B + W) per stage."""
     out = []
     for s in range(p):
         warm = min(p - s - 1, m)

@@ -3,8 +3,8 @@
 A `Timeline` (a TorchDispatchMode) timestamps GEMMs and copies, P2P posts and the time spent blocked
 in Work.wait(); `overlap_efficiency` turns one rank's timeline into hidden / total communication.
 An `IssueLog` records the order in which collectives were issued, GEMMs ran and waits returned: whether a
-collective had a GEMM under it, without clocks. CPU clocks: on a GPU these are launch times; use
-torch.profiler / nsys there.
+collective had a GEMM under it, without clocks; with a `Provenance`, which GEMM it was (by the buffers it
+reads). CPU clocks: on a GPU these are launch times; use torch.profiler / nsys there.
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 from tpkit.dispatch import MeasuringMode
-from tpkit.ledger import _OPS
+from tpkit.ledger import _OPS, _tensors
 
 
 # -- per-rank timelines and overlap efficiency ----------------------------------------------------
@@ -124,6 +125,52 @@ _P2P_TYPES = {int(getattr(_OpType, n)) for n in ("SEND", "RECV", "RECVANYSOURCE"
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 
 
+_MOVES = frozenset({"clone", "_to_copy", "copy_", "cat", "stack", "index_select", "_unsafe_view"})
+
+
+class Provenance:
+    """Which named tensors a buffer holds: storages tagged with names, and the tags carried by the ops that only
+    move data (clone, copy_, cat, ...), so that a GEMM is recognised by what it reads even when an operand is a
+    transposed contiguous copy of a tagged buffer. Storages are held weakly (StorageWeakRef): a freed buffer's
+    memory, reused by another tensor, never passes its tags on."""
+
+    def __init__(self):
+        self._tags: dict[int, tuple[StorageWeakRef, set[str]]] = {}    # storage id -> (weak ref, names)
+
+    @staticmethod
+    def _storage(t):
+        try:
+            s = t.untyped_storage()
+        except Exception:      # noqa: BLE001 (no storage: a sparse or wrapper tensor)
+            return None
+        return s if s.nbytes() > 0 else None
+
+    def tag(self, obj, *names: str):
+        """Every tensor in `obj` (a tensor, or lists of them) now holds `names`."""
+        for t in (_tensors(obj) if names else ()):
+            s = self._storage(t)
+            if s is not None:
+                hit = self._tags.get(s._cdata)
+                if hit is None or hit[0].expired():
+                    hit = self._tags[s._cdata] = (StorageWeakRef(s), set())
+                hit[1].update(names)
+
+    def of(self, obj) -> set[str]:
+        """The names the tensors in `obj` (a tensor, or lists of them) hold, together."""
+        names = set()
+        for t in _tensors(obj):
+            s = self._storage(t)
+            hit = self._tags.get(s._cdata) if s is not None else None
+            if hit is not None and not hit[0].expired():
+                names |= hit[1]
+        return names
+
+    def carry(self, func, args, kwargs, out):
+        """After `func` ran: if it only moves data, its outputs (copy_'s destination) hold what its inputs held."""
+        if func.namespace == "aten" and func._opname in _MOVES:
+            self.tag(out, *self.of((args, list((kwargs or {}).values()))))
+
+
 class IssueLog(MeasuringMode):
     """While active: the order in which this rank issued all-gathers / reduce-scatters, ran GEMMs and returned
     from a wait (Work.wait, or wait_tensor for functional collectives). Launch order, not time: on a GPU use a
@@ -152,8 +199,12 @@ class IssueLog(MeasuringMode):
             got = args[0] if args else None
             self.events.append(("wait", next((k for o, k in self._functional if o is got), "?")))
         elif ns == "aten" and name in GEMM_OPS:
-            self.events.append(("gemm", name))
+            self.events.append(("gemm", self.gemm_label(func, args, out)))
         return out
+
+    def gemm_label(self, func, args, out) -> str:
+        """What a GEMM's event records: its op name; a subclass may name it by the buffers it reads."""
+        return func._opname
 
     def in_flight(self, op: str) -> list[int]:
         """For each `op` issued, in order: the GEMMs run between issuing it and its wait (-1: never waited).
@@ -171,16 +222,16 @@ class IssueLog(MeasuringMode):
                 open_.pop(0)
         return [-1 if i in open_ else n for i, n in enumerate(spans)]
 
-    def overlap_code(self, op: str) -> int:
-        """The first `op` issued: 1 = a GEMM ran between issuing and waiting on it, 0 = none did (serialised),
-        2 = never waited, 3 = never issued. A wait goes to the oldest open issue of its kind (of any kind when
-        its kind is unknown, "?")."""
+    def overlap_code(self, op: str, gemm: str | None = None) -> int:
+        """The first `op` issued: 1 = a GEMM (labelled `gemm`, if given) ran between issuing and waiting on it,
+        0 = none did (serialised), 2 = never waited, 3 = never issued. A wait goes to the oldest open issue of
+        its kind (of any kind when its kind is unknown, "?")."""
         issues, open_ = [], []                # issues: [kind, GEMMs while open, waited]; open_: their indices
         for kind, what in self.events:
             if kind == "issue":
                 issues.append([what, 0, False])
                 open_.append(len(issues) - 1)
-            elif kind == "gemm":
+            elif kind == "gemm" and gemm in (None, what):
                 for i in open_:
                     issues[i][1] += 1
             elif kind == "wait":

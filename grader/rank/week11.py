@@ -1,0 +1,82 @@
+"""Week 11 on a rank: call the student's route on this rank's router logits and backpropagate a random upstream
+grad of the gates and the aux loss; or exchange this rank's per-expert counts and move its rows with the
+student's AllToAll, forward and backward; or build the student's EPMoE from what rank r of t holds (the
+replicated router weight and ITS experts' weights only) and run its tokens forward and backward. `inp` is
+this rank's own view (grader.cases.week11.rank_inputs): no other rank's tokens or experts ever reach it.
+
+Besides values, the ledger's record of the all-to-alls of (rows, H) tensors comes back as tensors (the bytes
+this rank sent in them, the split sizes of the first: the dispatch), because those depend on the routing and
+so differ per rank; the trusted side compares them with what its own routing implies."""
+from __future__ import annotations
+
+import torch
+
+from grader.rank.context import GradingError
+
+SPLITS = "dispatch split sizes (ledger): rows sent to each rank, then rows received from each"
+SENT = "bytes of rows sent by this rank (ledger): forward, backward"
+
+
+def ledger_record(ledger, hidden: int) -> dict:
+    """What the ledger saw of this rank's all-to-alls."""
+    rows = [e for e in ledger.entries if e["op"] == "all_to_all" and len(e["shape"]) == 2 and e["shape"][1] == hidden]
+    out = {SENT: torch.tensor([sum(e["sent"] for e in rows if e["phase"] == ph) for ph in ("forward", "backward")],
+                              dtype=torch.float64)}
+    if rows and rows[0]["phase"] == "forward":
+        out[SPLITS] = torch.tensor(rows[0].get("in_splits", []) + rows[0].get("out_splits", []), dtype=torch.int64)
+    return out
+
+
+def _tensor(x, name):
+    if not isinstance(x, torch.Tensor):
+        raise GradingError(f"`{name}` is a {type(x).__name__}, not a tensor.")
+    return x
+
+
+def run_routing(mod, cfg, inp, ctx):
+    logits = ctx.hand("logits", inp["logits"].clone()).requires_grad_(True)
+    ctx.phase("forward")
+    out = mod.route(logits, cfg["k"], cfg["C"])
+    if not isinstance(out, tuple) or len(out) != 4:
+        raise GradingError("route must return a tuple (experts, gates, keep, aux).")
+    experts, gates, keep, aux = (_tensor(v, n) for v, n in zip(out, ("experts", "gates", "keep", "aux")))
+    if tuple(gates.shape) != tuple(inp["dgates"].shape) or aux.numel() != 1:
+        raise GradingError(f"gates has shape {tuple(gates.shape)} and aux {tuple(aux.shape)}; expected "
+                           f"{tuple(inp['dgates'].shape)} (N, k) and a scalar.")
+    ctx.phase("backward")
+    loss = (gates * inp["dgates"]).sum() + aux.reshape(()) * inp["daux"].reshape(())
+    if not loss.requires_grad:
+        raise GradingError("neither gates nor aux requires grad: the autograd graph back to the logits was cut "
+                           "(.detach(), torch.no_grad() or .data?).")
+    loss.backward()
+    return {"experts": experts.long(), "gates": gates, "keep": keep.long(), "aux": aux.reshape(()),
+            "dlogits": logits.grad}
+
+
+def run_all_to_all(mod, cfg, inp, ctx):
+    t = ctx.world_size
+    counts = ctx.hand("counts", inp["counts"].clone())
+    x = ctx.hand("x", inp["x"].clone()).requires_grad_(True)
+    ctx.phase("forward")
+    recv_counts = _tensor(mod.exchange_counts(counts, ctx.group), "recv_counts")
+    send = counts.view(t, -1).sum(1).tolist()
+    recv = recv_counts.reshape(t, -1).sum(1).tolist()
+    y = mod.AllToAll.apply(x, recv, send, ctx.group)
+    ctx.phase("backward")
+    ctx.backward(y, inp["dy"], "y")
+    return {"recv_counts": recv_counts.long(), "y": y, "dx": x.grad, **ledger_record(ctx.ledger, cfg["H"])}
+
+
+def run_layer(mod, cfg, inp, ctx):
+    router, w1, w2 = (ctx.hand(n, inp[n].clone()) for n in ("router", "w1", "w2"))
+    layer = mod.EPMoE(router, w1, w2, cfg["k"], cfg["C"], group=ctx.group)
+    ctx.record_params(layer)
+    x = ctx.hand("x", inp["x"].clone()).requires_grad_(True)
+    ctx.phase("forward")
+    y = layer(x)
+    ctx.phase("backward")
+    ctx.backward(y, inp["dy"], "y")
+    out = {"y": y, "dx": x.grad, **ledger_record(ctx.ledger, cfg["H"])}
+    for name in ("router", "w1", "w2"):
+        out[f"d{name}"] = ctx.grad(layer, name)
+    return out
