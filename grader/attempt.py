@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import re
 import shutil
 import tempfile
 
 from grader import ROOT
+from grader.rank.exchange import JobSpec, records_from_saved, world_of
 from grader.sandbox import Sandbox, give_to
 from grader.timeouts import KILL_GRACE, PG_TIMEOUT, STOP_GRACE
 from launch.backend import fork_launcher_likely
@@ -72,15 +72,14 @@ class Attempt:
         self.launch = self._start(None, weeks, 0.0, pg_timeout)
         return self
 
-    def run(self, items: list[dict], spec: dict, timeout: float, pg_timeout: float):
-        """Run `items` on max(t) ranks. Returns (run, results): the launch's RunResult and what each rank
-        wrote ({"ranks", "progress", "untrusted", "world"})."""
-        world = max(it["t"] for it in items)
-        with open(os.path.join(self.here, "spec.json"), "w") as f:
-            json.dump({"items": items, "pg_timeout": pg_timeout, **spec}, f)
+    def run(self, spec: JobSpec, timeout: float):
+        """Run `spec.items` on max(t) ranks. Returns (run, results): the launch's RunResult and what each rank
+        wrote ({"ranks": {r: {item id: RankRecord}}, "progress", "untrusted", "world"})."""
+        world = world_of(spec.items)
+        spec.save(os.path.join(self.here, "spec.json"))
         try:
             if self.launch is None:
-                self.launch = self._start(world, [it["case"].split("/")[0] for it in items], timeout, pg_timeout)
+                self.launch = self._start(world, [it.week for it in spec.items], timeout, spec.pg_timeout)
             else:
                 self.launch.release(world, timeout)
             run = self.launch.wait()
@@ -123,8 +122,8 @@ RESULT_LIMIT = 64 << 20      # bytes: a rank's result file (the box's RLIMIT_FSI
 
 
 def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
-    """A rank's results, or why they cannot be trusted. The file is the box's: it is read without blocking
-    (a FIFO), without following links, up to a size cap, and every value's type is checked before use."""
+    """A rank's records ({item id: RankRecord}), or why they cannot be trusted. The file is the box's: it is read
+    without blocking (a FIFO), without following links, up to a size cap, and every value's type is checked."""
     try:
         data = read_regular(path, RESULT_LIMIT)
     except UnsafeFile as exc:
@@ -140,54 +139,14 @@ def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
                         "itself: forged results are ignored.")
     import torch   # only here: this module is imported before the trusted process has torch
     try:
-        res = torch.load(io.BytesIO(data), weights_only=True)
+        saved = torch.load(io.BytesIO(data), weights_only=True)
     except Exception:
         return {}, (f"rank {rank}'s result file is not a plain tensor file (the safe loader refused it): "
                     "results are ignored.")
-    bad = malformed_results(res)
-    if bad:
-        return {}, f"rank {rank}'s results are malformed ({bad}): results are ignored."
-    return res, None
-
-
-def _is_scalar(x) -> bool:
-    return x is None or isinstance(x, (str, int, float, bool))
-
-
-def _record_problem(rec) -> str | None:
-    """What is wrong with one item's record as a rank wrote it, or None."""
-    import torch
-    if not isinstance(rec, dict):
-        return f"a {type(rec).__name__}, not a dict"
-    kinds = {"group": list, "tensors": dict, "params": dict, "ledger": list, "error": str, "skipped": str,
-             "seconds": (int, float)}
-    for key, val in rec.items():
-        if key not in kinds:
-            return f"an unknown field `{key}`"
-        if not isinstance(val, kinds[key]) or isinstance(val, bool):
-            return f"`{key}` is a {type(val).__name__}"
-    if not all(isinstance(r, int) and not isinstance(r, bool) for r in rec.get("group", [0])) or "group" not in rec:
-        return "`group` is not a list of ranks"
-    if not all(isinstance(k, str) and (v is None or isinstance(v, torch.Tensor)) for k, v in rec.get("tensors", {}).items()):
-        return "`tensors` holds something other than tensors"
-    if not all(isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(d, int) for d in v)
-               for k, v in rec.get("params", {}).items()):
-        return "`params` holds something other than shapes"
-    if not all(isinstance(e, dict) and all(isinstance(k, str) and (_is_scalar(v) or (isinstance(v, list) and all(
-            _is_scalar(x) for x in v))) for k, v in e.items()) for e in rec.get("ledger", [])):
-        return "`ledger` holds something other than plain records"
-    return None
-
-
-def malformed_results(res) -> str | None:
-    """None when `res` is {item id: record} with every value of the type the judge expects, else what is not."""
-    if not isinstance(res, dict):
-        return f"a {type(res).__name__}, not a dict of items"
-    for item_id, rec in res.items():
-        why = _record_problem(rec) if isinstance(item_id, str) else "an item id that is not a string"
-        if why:
-            return f"item {str(item_id)[:40]!r}: {why}"
-    return None
+    try:
+        return records_from_saved(saved), None
+    except ValueError as exc:
+        return {}, f"rank {rank}'s results are malformed ({exc}): results are ignored."
 
 
 def _pythonpath(root: str) -> str:

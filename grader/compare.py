@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from grader.case import Case, Contract
+from grader.rank.exchange import Item, RankRecord
 from tpkit.selfcheck import NOT_AT_GRADING
 
 
@@ -84,9 +85,9 @@ def compare_tensor(name: str, got, want: torch.Tensor, atol: float, rank: int, h
             f"(it would take atol={passing:g} to pass).{tail}", m)
 
 
-def check_contract(contract: Contract, res: dict, rank: int) -> list[str]:
+def check_contract(contract: Contract, res: RankRecord, rank: int) -> list[str]:
     problems = []
-    entries = [e for e in res.get("ledger", []) if isinstance(e, dict)]
+    entries = res.ledger
     ops_by_phase: dict[str, dict[str, int]] = {}
     for e in entries:
         ops_by_phase.setdefault(str(e.get("phase")), {}).setdefault(str(e.get("op")), 0)
@@ -109,13 +110,13 @@ def check_contract(contract: Contract, res: dict, rank: int) -> list[str]:
             problems.append(f"rank {rank}: used {', '.join(extra)}; only {', '.join(sorted(contract.allowed_ops))} "
                             f"are allowed here.")
     for phase, want in contract.bytes_sent.items():
-        got = sum(float(e.get("sent", 0)) for e in entries if phase == "all" or e.get("phase") == phase)
+        got = sum(e["sent"] for e in entries if isinstance(e.get("sent"), (int, float)) and (phase == "all" or e.get("phase") == phase))
         if abs(got - want) > 0.01 * max(want, 1.0):
             why = contract.why.get(phase, "")
             problems.append(f"rank {rank}: sent {got:.0f} bytes ({phase}); the ring optimum is {want:.0f}."
                             + (f" {why}" if why else ""))
     if contract.params is not None:
-        got = {str(k): tuple(v) for k, v in res.get("params", {}).items()}
+        got = {k: tuple(v) for k, v in res.params.items()}
         for name, shape in contract.params.items():
             if name not in got:
                 problems.append(f"rank {rank}: no parameter named `{name}` (found: {', '.join(got) or 'none'}); "
@@ -137,9 +138,8 @@ def is_comm_error(tb: str) -> bool:
         any(k in last for k in _COMM_ERRORS)
 
 
-def last_collective(res: dict) -> str:
-    led = res.get("ledger", [])
-    n = len(led)
+def last_collective(res: RankRecord | None) -> str:
+    n = len(res.ledger) if res is not None else 0
     return f"collective #{n + 1} (after {n} that completed)" if n else "its first collective"
 
 
@@ -147,7 +147,7 @@ def last_collective(res: dict) -> str:
 _COURSE_IMPORT = re.compile(rf"^\s*(?:from|import)\s+((?:{'|'.join(NOT_AT_GRADING)})(?:\.\w+)*)", re.M)
 
 
-def describe_error(tb: str, rank, res: dict | None = None) -> str:
+def describe_error(tb: str, rank, res: RankRecord | None = None) -> str:
     """A student's exception, short: a stub says what to write, anything else keeps its traceback."""
     lines = tb.rstrip().splitlines()
     last = lines[-1] if lines else "an exception"
@@ -172,7 +172,7 @@ def describe_error(tb: str, rank, res: dict | None = None) -> str:
     if last.startswith(("GradingError:", "grader.rank.context.GradingError:")):
         return f"rank {rank}: " + last.split(":", 1)[1].strip()
     if is_comm_error(tb):
-        where = last_collective(res or {})
+        where = last_collective(res)
         kind = "timed out" if "timeout" in last.lower() or "timed out" in last.lower() else "lost its peers"
         return (f"rank {rank}: {kind} in {where}: {last[:200]}. A peer never joined this collective: "
                 "a rank skipped or added a collective, or crashed.")
@@ -182,16 +182,16 @@ def describe_error(tb: str, rank, res: dict | None = None) -> str:
 _SHORT = {"forward": "fwd", "backward": "bwd"}
 
 
-def comm_summary(res: dict) -> str:
+def comm_summary(res: RankRecord) -> str:
     parts = []
     for phase in ("forward", "backward"):
-        es = [e for e in res.get("ledger", []) if e.get("phase") == phase]
+        es = [e for e in res.ledger if e.get("phase") == phase]
         if not es:
             parts.append(f"{_SHORT[phase]}: none")
             continue
         c: dict[str, int] = {}
         for e in es:
-            c[e["op"]] = c.get(e["op"], 0) + 1
+            c[str(e.get("op"))] = c.get(str(e.get("op")), 0) + 1
         parts.append(f"{_SHORT[phase]}: " + ", ".join(f"{op} x{n}" for op, n in c.items()))
     return "; ".join(parts)
 
@@ -204,15 +204,15 @@ def rank_list(ranks) -> str:
     return f"ranks {', '.join(rs[:-1])} and {rs[-1]}"
 
 
-def compare_item(case: Case, item: dict, ref: dict, results: dict[int, dict | None],
+def compare_item(case: Case, item: Item, ref: dict, results: dict[int, RankRecord | None],
                  missing_reason: dict[int, str]) -> ItemVerdict:
     """Every problem of one case at one t, the likely root cause first: what a rank communicated or
     holds, then its own exception, a deadlock, ranks without results, peers that only saw the fallout,
     and last the tensors, in data-flow order (outputs before input grads before weight grads)."""
-    t = item["t"]
-    v = ItemVerdict(item_id=item["id"], case=case.name, t=t, passed=True)
-    contract = case.contract(item["config"], t) if case.contract else None
-    errors = {j: str(res["error"]) for j, res in results.items() if res is not None and res.get("error")}
+    t = item.t
+    v = ItemVerdict(item_id=item.id, case=case.name, t=t, passed=True)
+    contract = case.contract(item.config, t) if case.contract else None
+    errors = {j: res.error for j, res in results.items() if res is not None and res.error}
     own = {j for j, e in errors.items() if not is_comm_error(e)}   # the student's own exceptions
     comm, raised, deadlock, missing, fallout, tensors = [], [], [], [], [], {}
     for job_rank in sorted(results):
@@ -220,7 +220,7 @@ def compare_item(case: Case, item: dict, ref: dict, results: dict[int, dict | No
         if res is None:
             missing.append(missing_reason.get(job_rank, f"rank {job_rank} wrote no result."))
             continue
-        r = res["group"].index(job_rank)
+        r = res.group.index(job_rank)
         if job_rank in errors:
             # a rank whose collective broke because a peer raised or died only saw the fallout
             culprits = sorted(own | {j for j, x in results.items() if x is None})
@@ -233,11 +233,11 @@ def compare_item(case: Case, item: dict, ref: dict, results: dict[int, dict | No
             continue
         if contract is not None:   # sharding and communication first: they explain the numbers
             comm += check_contract(contract, res, r)
-        want = case.expected(item["config"], ref, r, t)
-        got = res.get("tensors", {})
+        want = case.expected(item.config, ref, r, t)
+        got = res.tensors
         if case.evaluate is not None:      # plain data the rank returned, evaluated here
             try:
-                got = case.evaluate(item["config"], got)
+                got = case.evaluate(item.config, got)
             except (ValueError, TypeError, KeyError) as exc:
                 tensors.setdefault("", []).append(f"rank {r}: what it returned could not be evaluated ({exc}).")
                 continue
@@ -249,7 +249,7 @@ def compare_item(case: Case, item: dict, ref: dict, results: dict[int, dict | No
             elif m > v.max_err:
                 v.max_err = m
         v.comm = comm_summary(res)
-        v.seconds = max(v.seconds, float(res.get("seconds", 0.0)))
+        v.seconds = max(v.seconds, float(res.seconds))
     # every waiting rank names the deadlock as it saw it: the first picture is the whole story
     if deadlock:     # a peer that lost its connection when a deadlocked rank left is part of the same story
         fallout = []

@@ -27,7 +27,7 @@ import torch
 from grader.attempt import Attempt
 from grader.case import get_case
 from grader.compare import ItemVerdict, compare_item, is_comm_error, rank_list
-from grader.rank.entry import DEADLOCKED
+from grader.rank.exchange import DEADLOCKED, Item, JobSpec, RankRecord, failed_with, participants, world_of
 from grader.timeouts import ITEM_TIMEOUT, PG_TIMEOUT, job_wall_clock
 
 
@@ -100,28 +100,26 @@ class Report:
         return "\n".join(rows)
 
 
-def rank_views(items: list[dict], inputs: dict) -> list[dict]:
-    """Per job rank, {item id: what that rank receives}: the case's `rank_inputs` for its rank in its group
-    (groups are consecutive blocks of t job ranks), or the full inputs for a case that has none."""
-    world = max(it["t"] for it in items)
+def rank_views(items: list[Item], inputs: dict) -> list[dict]:
+    """Per job rank, {item id: what that rank receives}: the case's `rank_inputs` for its rank in its group,
+    or the full inputs for a case that has none."""
+    world = world_of(items)
     views: list[dict] = [{} for _ in range(world)]
     for it in items:
-        case, t = get_case(it["case"]), it["t"]
-        for j in range(world - world % t):
-            full = {k: v.clone() for k, v in inputs[it["id"]].items()}
-            views[j][it["id"]] = case.rank_inputs(it["config"], full, j % t, t) if case.rank_inputs else full
+        case = get_case(it.case)
+        for j in participants(it.t, world):
+            full = {k: v.clone() for k, v in inputs[it.id].items()}
+            views[j][it.id] = case.rank_inputs(it.config, full, j % it.t, it.t) if case.rank_inputs else full
     return views
 
 
-def plan_items(names: list[str], fresh_seed: bool = True) -> list[dict]:
+def plan_items(names: list[str], fresh_seed: bool = True) -> list[Item]:
     items = []
     for name in names:
         case = get_case(name)
         seed = case.seed if case.seed is not None else (secrets.randbits(31) if fresh_seed else 12345)
-        for t in case.world_sizes:
-            items.append({"id": f"{name}@t{t}", "case": name, "module": case.module, "run_rank": case.run_rank,
-                          "t": t, "seed": seed, "config": case.config,
-                          "timeout": case.timeout or ITEM_TIMEOUT})
+        items += [Item(id=f"{name}@t{t}", case=name, module=case.module, run_rank=case.run_rank, t=t, seed=seed,
+                       config=case.config, timeout=case.timeout or ITEM_TIMEOUT) for t in case.world_sizes]
     return items
 
 
@@ -129,16 +127,16 @@ def plan_items(names: list[str], fresh_seed: bool = True) -> list[dict]:
 _C10D_NOISE = re.compile(r"\[c10d\]|socket\.cpp|ProcessGroupGloo\.cpp")
 
 
-def _missing_reason(job_rank: int, item: dict, run, progress: dict, finished_by: list[int]) -> str:
+def _missing_reason(job_rank: int, item: Item, run, progress: dict, finished_by: list[int]) -> str:
     """Why a rank has no result for `item`: how its process ended, and where it was then."""
-    t = item["t"]
-    label = job_rank % t                       # groups are consecutive blocks of t job ranks
+    t = item.t
+    label = job_rank % t                       # its rank in its group (exchange.group_of)
     code = run.exitcodes.get(job_rank) if run is not None else None
     here = progress.get(job_rank) or {}
     others = f"; {rank_list(r % t for r in finished_by)} had finished it" if finished_by else ""
-    inside = here.get("item") == item["id"] and here.get("where") in ("inside", "waiting")
+    inside = here.get("item") == item.id and here.get("where") in ("inside", "waiting")
     phase = here.get("phase") or "setup"
-    if here.get("item") == item["id"]:
+    if here.get("item") == item.id:
         if inside:
             where, was = f"in {here.get('op')} #{here.get('index')} ({phase})", "was still"
         elif phase == "import":
@@ -186,7 +184,7 @@ def _desync(results: dict) -> str | None:
     groups: dict[tuple, dict] = {}
     for r, res in results.items():
         if res is not None:
-            groups.setdefault(tuple(res["group"]), {})[r] = res
+            groups.setdefault(tuple(res.group), {})[r] = res
     for members in groups.values():
         msg = _desync_group(members)
         if msg:
@@ -196,7 +194,7 @@ def _desync(results: dict) -> str | None:
 
 def _desync_group(results: dict) -> str | None:
     # point-to-point order differs between ranks by design (pipeline stages): compare collectives only
-    seqs = {res["group"].index(r): [(e.get("phase"), e.get("op")) for e in res.get("ledger", [])
+    seqs = {res.group.index(r): [(e.get("phase"), e.get("op")) for e in res.ledger
                                     if e.get("op") not in ("send", "recv")]
             for r, res in results.items()}
     if len({tuple(s) for s in seqs.values()}) <= 1:
@@ -237,7 +235,7 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
     try:
         items = plan_items(names, fresh_seed)
         mode = sandbox or os.environ.get("GRADER_SANDBOX", "auto")
-        backend = pick_backend(max(it["t"] for it in items), backend)
+        backend = pick_backend(world_of(items), backend)
         launcher = default_launcher(backend, launcher, interactive=interactive and mode == "off")
         if first is not None and ((first.backend, first.launcher, first.mode) != (backend, launcher, mode)
                                   or stream or wrap or interactive):
@@ -251,43 +249,43 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for it in items:
-                case = get_case(it["case"])
-                gen = torch.Generator().manual_seed(it["seed"])
-                inputs[it["id"]] = case.make_inputs(it["config"], gen)
-                refs[it["id"]] = case.reference(it["config"], {k: v.clone() for k, v in inputs[it["id"]].items()})
+                case = get_case(it.case)
+                inputs[it.id] = case.make_inputs(it.config, torch.Generator().manual_seed(it.seed))
+                refs[it.id] = case.reference(it.config, {k: v.clone() for k, v in inputs[it.id].items()})
         os.makedirs(os.path.join(jobdir, "inputs"), mode=0o700)   # the grader's: see Attempt.own_inputs
         for j, own in enumerate(rank_views(items, inputs)):
             torch.save(own, os.path.join(jobdir, "inputs", f"rank{j}.pt"))
-        spec = {"item_timeout": ITEM_TIMEOUT, "graded_together": graded_together or [],
-                "inputs": os.path.join(jobdir, "inputs", "rank{rank}.pt"), "student": os.path.join(jobdir, "student")}
-        cases: dict[str, CaseVerdict] = {it["case"]: CaseVerdict(it["case"], True) for it in items}
+        together = graded_together or []
+        cases: dict[str, CaseVerdict] = {it.case: CaseVerdict(it.case, True) for it in items}
         verdicts: dict[str, ItemVerdict] = {}
         pending = items
-        budget = job_wall_clock(len(items), pg_timeout, max(it["timeout"] for it in items))
+        budget = job_wall_clock(len(items), pg_timeout, max(it.timeout for it in items))
         while pending:
             attempt = first if first is not None and not runs else Attempt(
                 jobdir, len(runs), backend=backend, launcher=launcher, mode=mode, stream=stream, wrap=wrap,
                 interactive=interactive)
-            run, results = attempt.run(pending, spec, pg_timeout=pg_timeout, timeout=job_wall_clock(
-                len(pending), pg_timeout, max(it["timeout"] for it in pending)))
+            spec = JobSpec(items=pending, pg_timeout=pg_timeout, graded_together=together,
+                           inputs=os.path.join(jobdir, "inputs", "rank{rank}.pt"),
+                           student=os.path.join(jobdir, "student"))
+            run, results = attempt.run(spec, timeout=job_wall_clock(len(pending), pg_timeout,
+                                                                    max(it.timeout for it in pending)))
             runs.append(run)
             boxes.append(attempt.box)
             for it in _judgeable(pending, run, results):
-                verdicts[it["id"]] = _judge(it, refs[it["id"]], results, run)
-            left = [it for it in pending if it["id"] not in verdicts]
-            failed_cases = {verdicts[i["id"]].case for i in items if i["id"] in verdicts
-                            and not verdicts[i["id"]].passed}
-            for it in [it for it in left if _group_failed(it["case"], failed_cases, graded_together)]:
-                verdicts[it["id"]] = _skipped(it, failed_cases, graded_together)
+                verdicts[it.id] = _judge(it, refs[it.id], results, run)
+            left = [it for it in pending if it.id not in verdicts]
+            failed_cases = {v.case for v in verdicts.values() if not v.passed}
+            for it in [it for it in left if failed_with(it.case, failed_cases, together)]:
+                verdicts[it.id] = _skipped(it, failed_with(it.case, failed_cases, together))
                 left.remove(it)
             if left and time.monotonic() - t0 > budget:
                 for it in left:      # out of time: judge them with what this launch left
-                    verdicts[it["id"]] = _judge(it, refs[it["id"]], results, run)
+                    verdicts[it.id] = _judge(it, refs[it.id], results, run)
                 left = []
             pending = left
         for it in items:
-            v = verdicts[it["id"]]
-            cv = cases[it["case"]]
+            v = verdicts[it.id]
+            cv = cases[it.case]
             cv.items.append(v)
             cv.passed = cv.passed and v.passed
         return Report(cases=cases, seconds=time.monotonic() - t0, runs=runs, jobdir=jobdir if keep else "",
@@ -299,25 +297,15 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
             shutil.rmtree(jobdir, ignore_errors=True)
 
 
-def _group_of(case: str, graded_together: list[list[str]] | None) -> list[str]:
-    return next((g for g in graded_together or [] if case in g), [case])
-
-
-def _group_failed(case: str, failed_cases: set[str], graded_together) -> bool:
-    return any(c in failed_cases for c in _group_of(case, graded_together))
-
-
-def _skipped(item: dict, failed_cases: set[str], graded_together) -> ItemVerdict:
-    """An item not run because a check scored with it had failed (its points are lost either way)."""
-    failed = sorted(c for c in _group_of(item["case"], graded_together) if c in failed_cases) or sorted(failed_cases)
-    same = failed[0] == item["case"]
-    return ItemVerdict(item_id=item["id"], case=item["case"], t=item["t"], passed=False, problems=[
-        "not run: " + ("this check had already failed at a smaller size" if same else
-                        f"`{failed[0]}`, scored together with this check, had already failed")
+def _skipped(item: Item, failed: str) -> ItemVerdict:
+    """An item not run because `failed`, a check scored with it, had failed (its points are lost either way)."""
+    return ItemVerdict(item_id=item.id, case=item.case, t=item.t, passed=False, problems=[
+        "not run: " + ("this check had already failed at a smaller size" if failed == item.case else
+                        f"`{failed}`, scored together with this check, had already failed")
         + ": its points are lost either way, so the grader did not run it again."])
 
 
-def _judgeable(items: list[dict], run, results: dict) -> list[dict]:
+def _judgeable(items: list[Item], run, results: dict) -> list[Item]:
     """The items a launch lets us judge: all, unless a rank did not reach its end (died, was killed, left
     with os._exit, hung); then those complete and the one it stopped in. The rest run again, fresh."""
     world = results["world"]
@@ -334,31 +322,27 @@ def _judgeable(items: list[dict], run, results: dict) -> list[dict]:
     return done + [items[complete.index(False)]]
 
 
-def _participants(it: dict, world: int) -> list[int]:
-    return list(range(0, world - world % it["t"]))
+def _result(results: dict, r: int, it: Item) -> RankRecord | None:
+    x = results["ranks"].get(r, {}).get(it.id)
+    return x if x is not None and r in x.group else None
 
 
-def _result(results: dict, r: int, it: dict):
-    x = results["ranks"].get(r, {}).get(it["id"])
-    return x if isinstance(x, dict) and isinstance(x.get("group"), list) and r in x["group"] else None
+def _complete(it: Item, results: dict) -> bool:
+    return all(_result(results, r, it) is not None for r in participants(it.t, results["world"]))
 
 
-def _complete(it: dict, results: dict) -> bool:
-    return all(_result(results, r, it) is not None for r in _participants(it, results["world"]))
-
-
-def _judge(it: dict, ref: dict, results: dict, run) -> ItemVerdict:
-    case = get_case(it["case"])
-    part = _participants(it, results["world"])
+def _judge(it: Item, ref: dict, results: dict, run) -> ItemVerdict:
+    case = get_case(it.case)
+    part = participants(it.t, results["world"])
     res = {r: _result(results, r, it) for r in part}
-    skipped = {x.get("skipped") for x in res.values() if x is not None and x.get("skipped")}
-    if skipped and all(x is not None and x.get("skipped") for x in res.values()):
-        return _skipped(it, skipped, None)
-    finished = [r for r in part if res[r] is not None and not res[r].get("error")]
+    skipped = sorted({x.skipped for x in res.values() if x is not None and x.skipped})
+    if skipped and all(x is not None and x.skipped for x in res.values()):
+        return _skipped(it, skipped[0])
+    finished = [r for r in part if res[r] is not None and not res[r].error]
     reasons = {r: results["untrusted"].get(r) or _missing_reason(r, it, run, results["progress"], finished)
                for r in part if res[r] is None}
     v = compare_item(case, it, ref, res, reasons)
-    own_errors = any(x is not None and x.get("error") and not is_comm_error(str(x["error"])) for x in res.values())
+    own_errors = any(x is not None and x.error and not is_comm_error(x.error) for x in res.values())
     d = None if own_errors else _desync(res)   # a rank's own exception explains the rest
     if d and not v.passed:
         v.problems.insert(0, d)

@@ -7,7 +7,8 @@ import textwrap
 import pytest
 import torch
 
-from grader.attempt import RESULT_LIMIT, _load_rank_file, malformed_results
+from grader.attempt import RESULT_LIMIT, _load_rank_file
+from grader.rank.exchange import records_from_saved
 from grader.corpus import solution_modules
 
 needs_box = pytest.mark.skipif(shutil.which("bwrap") is None or os.geteuid() != 0,
@@ -45,11 +46,11 @@ def test_week02_ranks_receive_only_their_blocks():
     from grader.job import plan_items, rank_views
     from grader.case import get_case
     items = [it for it in plan_items(["week02/column_parallel_local", "week02/row_parallel_input_parallel"],
-                                     fresh_seed=False) if it["t"] == 2]
-    inputs = {it["id"]: get_case(it["case"]).make_inputs(it["config"], torch.Generator().manual_seed(it["seed"]))
+                                     fresh_seed=False) if it.t == 2]
+    inputs = {it.id: get_case(it.case).make_inputs(it.config, torch.Generator().manual_seed(it.seed))
               for it in items}
     views = rank_views(items, inputs)
-    col, row = (it["id"] for it in items)
+    col, row = (it.id for it in items)
     for r in range(2):
         w = views[r][col]["W"]
         assert torch.isnan(w).sum() == w.numel() // 2 and not torch.isnan(w.chunk(2, 0)[r]).any()
@@ -83,7 +84,8 @@ def test_odd_files_in_out_become_verdicts_not_hangs(tmp_path):
     ([1, 2], "not a dict"),
 ])
 def test_results_of_the_wrong_type_are_named(tmp_path, bad, why):
-    assert why in malformed_results(bad)
+    with pytest.raises(ValueError, match=why.replace("`", ".")):
+        records_from_saved(bad)
     path = tmp_path / "rank0.pt"
     torch.save(bad, path)
     res, msg = _load_rank_file(str(path), 0, None)
@@ -91,11 +93,11 @@ def test_results_of_the_wrong_type_are_named(tmp_path, bad, why):
 
 
 def test_good_results_pass_the_type_check():
-    assert malformed_results({"i@t2": {"group": [0, 1], "tensors": {"y": torch.ones(2), "db": None},
+    assert records_from_saved({"i@t2": {"group": [0, 1], "tensors": {"y": torch.ones(2), "db": None},
                                        "params": {"weight": [4, 8]}, "ledger": [{"op": "all_reduce", "bytes": 8,
                                                                                  "shape": [2], "phase": "forward"}],
                                        "error": "", "seconds": 0.1},
-                              "j@t2": {"group": [0, 1], "skipped": "week02/x"}}) is None
+                              "j@t2": {"group": [0, 1], "skipped": "week02/x"}})["j@t2"].skipped == "week02/x"
 
 
 def test_no_bubblewrap_refuses_to_grade(monkeypatch):

@@ -5,6 +5,7 @@ import torch
 
 from grader.case import Contract
 from grader.compare import check_contract, compare_tensor, describe_error, is_comm_error
+from grader.rank.exchange import Item, RankRecord
 from grader.timeouts import EXECUTE_TIMEOUT, KILL_GRACE, PG_TIMEOUT, job_wall_clock
 from tpkit.ledger import CommLedger, ring_bytes_sent
 from grader.notebook import check_names, grade_cells, module_sources
@@ -38,12 +39,13 @@ def test_compare_messages():
 
 def test_contract_messages():
     c = Contract(counts={"forward": {"all_reduce": 1}}, params={"weight": (4, 8)})
-    res = {"ledger": [{"phase": "forward", "op": "all_reduce", "sent": 0}] * 2, "params": {"weight": [8, 8]}}
+    res = RankRecord(group=[0, 1], ledger=[{"phase": "forward", "op": "all_reduce", "sent": 0}] * 2,
+                     params={"weight": [8, 8]})
     probs = check_contract(c, res, 0)
     assert "rank 0: forward used 2 all_reduce; the contract is 1." in probs
     assert any("keeps `weight` of shape (8, 8); its shard is (4, 8)" in p for p in probs)
     c = Contract(allowed_ops={"send", "recv"}, bytes_sent={"all": 96})
-    probs = check_contract(c, {"ledger": [{"phase": "forward", "op": "all_reduce", "sent": 96}]}, 2)
+    probs = check_contract(c, RankRecord(group=[0, 1, 2], ledger=[{"phase": "forward", "op": "all_reduce", "sent": 96}]), 2)
     assert any("only recv, send are allowed" in p for p in probs)
 
 
@@ -52,7 +54,7 @@ def test_error_descriptions():
     assert describe_error(stub, 0) == "rank 0: not implemented yet: `Layer.forward` (m.py line 7) raises NotImplementedError: x"
     comm = "Traceback...\nRuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
     assert is_comm_error(comm) and not is_comm_error(stub)
-    assert "lost its peers in its first collective" in describe_error(comm, 1, {"ledger": []})
+    assert "lost its peers in its first collective" in describe_error(comm, 1, RankRecord(group=[0, 1]))
 
 
 def test_timeouts_nest():
@@ -137,10 +139,11 @@ def test_rank_lists_are_said_once_and_in_good_grammar():
 
 def test_a_rank_that_lost_its_peers_is_not_blamed():
     from grader.job import _missing_reason
-    item = {"id": "week02/mlp@t4", "t": 4}
+    item = Item(id="week02/mlp@t4", case="week02/mlp", module="tp_linear", run_rank="run_mlp", t=4, seed=0,
+                config={}, timeout=15)
     run = _run({1: -11, 0: -15, 2: -15, 3: -15}, order=[1, 0, 2, 3])
-    progress = {0: {"item": item["id"], "where": "waiting", "op": "all_reduce", "index": 1, "phase": "forward"},
-                1: {"item": item["id"], "phase": "forward", "where": "between collectives"}}
+    progress = {0: {"item": item.id, "where": "waiting", "op": "all_reduce", "index": 1, "phase": "forward"},
+                1: {"item": item.id, "phase": "forward", "where": "between collectives"}}
     crashed = _missing_reason(1, item, run, progress, [])
     assert crashed.startswith("rank 1: the process crashed (signal 11, a segmentation fault)")
     stopped = _missing_reason(0, item, run, progress, [])
@@ -150,9 +153,10 @@ def test_a_rank_that_lost_its_peers_is_not_blamed():
 
 def test_an_abort_inside_a_collective_names_the_size_mismatch():
     from grader.job import _missing_reason
-    item = {"id": "week04/embedding@t2", "t": 2}
+    item = Item(id="week04/embedding@t2", case="week04/embedding", module="vocab_parallel", run_rank="run_embedding",
+                t=2, seed=0, config={}, timeout=15)
     run = _run({0: -6, 1: -6}, order=[0, 1])
-    progress = {0: {"item": item["id"], "where": "inside", "op": "all_reduce", "index": 1, "phase": "forward"}}
+    progress = {0: {"item": item.id, "where": "inside", "op": "all_reduce", "index": 1, "phase": "forward"}}
     msg = _missing_reason(0, item, run, progress, [])
     assert "aborted (signal 6): gloo aborts a process when the ranks pass tensors of different sizes" in msg
     assert "not in a collective" not in msg and "in all_reduce #1 (forward)" in msg

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import importlib.util
-import json
 import os
 import signal
 import sys
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from grader.rank.context import GradingError, RankContext
+from grader.rank.exchange import DEADLOCKED, Item, JobSpec, RankRecord, failed_with, group_of
 from grader.rank.seal import Seal, Tampered
 from grader.rank.watch import Deadlock, Watch
 from tpkit.ledger import CommLedger
@@ -65,7 +65,6 @@ def import_by_path(name: str, student_dir: str):
     return module
 
 
-DEADLOCKED = 3           # exit status of a rank that left a deadlocked check (its verdict is in its results)
 _RESULT_FD: str | None = None   # read before any student code runs, so it cannot be swapped
 
 
@@ -86,153 +85,161 @@ def _save(path: str, results: dict):
         print(f"@@result {line}", flush=True)
 
 
-def main(attempt: str) -> int:
-    global _RESULT_FD
-    _RESULT_FD = os.environ.pop("COURSE_RESULT_FD", None)
-    spec = json.load(open(os.path.join(attempt, "spec.json")))
-    from launch.dist import init_process_group
-    rank, world, device = init_process_group(timeout_s=spec["pg_timeout"])
-    torch.set_num_threads(1)
-    student_dir = os.path.realpath(spec["student"])
-    own = os.environ.pop("COURSE_INPUT_FD", None)    # opened for this rank alone by the fork launcher
-    with (os.fdopen(int(own), "rb") if own else open(spec["inputs"].format(rank=rank), "rb")) as f:
-        inputs_all = torch.load(f, weights_only=True)   # this rank's own inputs, nothing of its peers'
+class RankJob:
+    """One rank's run of a job, in named steps: `start` (process group, own inputs, groups, imports), then per
+    item `meet` (every rank, between items) and `run_item`, then `finish`."""
 
-    timeout = datetime.timedelta(seconds=spec["pg_timeout"])
+    def __init__(self, attempt: str):
+        self.spec = JobSpec.load(os.path.join(attempt, "spec.json"))
+        self.out_dir = os.path.join(attempt, "out")
+        self.results: dict[str, dict] = {}        # item id -> RankRecord.to_saved(), rewritten after each item
+        self.failed_cases: set[str] = set()       # checks in which some rank raised, hung or was judged deadlocked
 
-    # the harness's own group: between items, outside any student code (bounded by the wall clock only)
-    control = dist.new_group(list(range(world)), timeout=datetime.timedelta(hours=1))
-    # One set of groups per tensor-parallel size t, reused by every item of that size, and made
-    # anew (by all ranks, in the same order) after an item in which any rank failed: a collective
-    # that timed out leaves its gloo group unusable, and a late peer must not be matched by the
-    # next item's collectives.
-    def make_groups(t: int):
+    def start(self):
+        from launch.dist import init_process_group
+        self.rank, self.world, self.device = init_process_group(timeout_s=self.spec.pg_timeout)
+        torch.set_num_threads(1)
+        self.student_dir = os.path.realpath(self.spec.student)
+        own = os.environ.pop("COURSE_INPUT_FD", None)    # opened for this rank alone by the fork launcher
+        with (os.fdopen(int(own), "rb") if own else open(self.spec.inputs.format(rank=self.rank), "rb")) as f:
+            self.inputs = torch.load(f, weights_only=True)   # this rank's own inputs, nothing of its peers'
+        self.out_path = os.path.join(self.out_dir, f"rank{self.rank}.pt")
+        self.progress = os.path.join(self.out_dir, f"rank{self.rank}.progress")
+        # the harness's own group: between items, outside any student code (bounded by the wall clock only)
+        self.control = dist.new_group(list(range(self.world)), timeout=datetime.timedelta(hours=1))
+        self.groups = {t: self.make_groups(t) for t in dict.fromkeys(it.t for it in self.spec.items)}
+        self.watch = Watch(self.out_dir, self.rank)   # installed before any student code is imported
+        confine_imports(self.student_dir, self.out_dir)
+        # the harness's run functions first (before any student code, and outside every item's clock: week 7's
+        # DTensor imports take seconds), then the student's modules, once (a slow import on a loaded machine is
+        # not a hang); an import error of the student's becomes every dependent item's error
+        self.runners = {it.id: getattr(importlib.import_module(f"grader.rank.{it.week}"), it.run_rank)
+                        for it in self.spec.items}
+        self.seal = Seal()        # after the harness's imports, before the student's
+        self.modules = {}
+        for name in dict.fromkeys(it.module for it in self.spec.items):
+            ProgressFile.at(self.progress).write({"item": None, "phase": "import", "where": f"importing {name}"})
+            try:
+                self.modules[name] = import_by_path(name, self.student_dir)
+            except BaseException as exc:   # noqa: BLE001  (SystemExit at import is the student's too)
+                self.modules[name] = exc
+
+    def make_groups(self, t: int):
+        """This rank's (group, job ranks) at size t, made by all ranks in the same order; None: it sits t out.
+        Made anew after an item in which any rank failed: a collective that timed out leaves its gloo group
+        unusable, and a late peer must not be matched by the next item's collectives."""
+        timeout = datetime.timedelta(seconds=self.spec.pg_timeout)
         mine = None
-        for start in range(0, world - world % t, t):
-            ranks = list(range(start, start + t))
+        for start in range(0, self.world - self.world % t, t):
+            ranks = group_of(start, t, self.world)
             g = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
+            if self.rank in ranks:
                 mine = (g, ranks)
         return mine
 
-    groups: dict[int, tuple | None] = {}
-    for item in spec["items"]:
-        if item["t"] not in groups:
-            groups[item["t"]] = make_groups(item["t"])
-
-    out_path = os.path.join(attempt, "out", f"rank{rank}.pt")
-    progress = os.path.join(attempt, "out", f"rank{rank}.progress")
-    results: dict = {}
-    watch = Watch(os.path.dirname(out_path), rank)   # installed before any student code is imported
-    confine_imports(student_dir, os.path.dirname(out_path))
-    modules: dict = {}
-    # the harness's run functions first (before any student code, and outside every item's clock: week 7's
-    # DTensor imports take seconds), then the student's modules, once (a slow import on a loaded machine
-    # is not a hang); an import error of the student's becomes every dependent item's error
-    runners = {}
-    for item in spec["items"]:
-        week = importlib.import_module(f"grader.rank.{item['case'].split('/')[0]}")
-        runners[item["id"]] = getattr(week, item["run_rank"])
-    seal = Seal()        # after the harness's imports, before the student's
-    for name in dict.fromkeys(it["module"] for it in spec["items"]):
-        ProgressFile.at(progress).write({"item": None, "phase": "import", "where": f"importing {name}"})
+    def meet(self, failed_last: bool, last: Item):
+        """Every rank meets here between items: a rank that failed fast waits for peers still timing out in the
+        failed item, and all learn whether the last item's groups must be replaced."""
+        flag = torch.tensor([1.0 if failed_last else 0.0])
         try:
-            modules[name] = import_by_path(name, student_dir)
-        except BaseException as exc:   # noqa: BLE001  (SystemExit at import is the student's too)
-            modules[name] = exc
-    failed_last = False
-    failed_cases: set[str] = set()      # checks in which some rank raised, hung or was judged deadlocked
-    together = {c: g for g in spec.get("graded_together", []) for c in g}
-    for n, item in enumerate(spec["items"]):
-        if n:
-            # every rank meets here, so a rank that failed fast waits for peers still timing out
-            # in the failed item, and all learn whether the last item's groups must be replaced
-            flag = torch.tensor([1.0 if failed_last else 0.0])
+            dist.all_reduce(flag, group=self.control)
+        except Exception:  # a peer process died: go on, its items will say so
+            pass
+        if flag.item() > 0:
+            self.failed_cases.add(last.case)
             try:
-                dist.all_reduce(flag, group=control)
-            except Exception:  # a peer process died: go on, its items will say so
-                pass
-            if flag.item() > 0:
-                failed_cases.add(spec["items"][n - 1]["case"])
-                last_t = spec["items"][n - 1]["t"]
-                try:
-                    groups[last_t] = make_groups(last_t)
-                except Exception:  # a peer is gone for good: its items will say so
-                    groups[last_t] = None
-        failed_last = False
-        plan = groups[item["t"]]
-        if plan is None:      # this rank sits the item out (e.g. t=3 on a 4-rank job)
-            continue
-        # a rank failed in a check graded with this one: its points are lost, and a hang would cost a timeout again
-        failed_with = next((c for c in together.get(item["case"], [item["case"]]) if c in failed_cases), None)
-        if failed_with:
-            results[item["id"]] = {"group": plan[1], "skipped": failed_with}
-            _save(out_path, results)
-            continue
-        group, ranks = plan
-        ledger = CommLedger(group_size=item["t"], progress_file=progress, label=item["id"])
-        ctx = RankContext(rank=ranks.index(rank), world_size=item["t"],
-                          group=group, device=device, ledger=ledger)
-        res = {"group": ranks, "tensors": {}, "params": {}, "ledger": [], "error": "", "seconds": 0.0}
-        ProgressFile.at(progress).write({"item": item["id"], "phase": "import", "where": "importing your module"})
-        t0 = time.perf_counter()
-        item_timeout = int(item.get("timeout", spec.get("item_timeout", 15)))
+                self.groups[last.t] = self.make_groups(last.t)
+            except Exception:  # a peer is gone for good: its items will say so
+                self.groups[last.t] = None
 
-        def too_slow(signum, frame, item_timeout=item_timeout, ledger=ledger):
-            if watch.waiting_on:   # a victim, not the culprit: the peer it waits for is elsewhere
-                raise GradingError(f"still waiting in {watch.waiting_on} after {item_timeout} s: a peer never "
+    def save(self, item: Item, record: RankRecord):
+        self.results[item.id] = record.to_saved()
+        _save(self.out_path, self.results)
+
+    def run_item(self, item: Item) -> bool:
+        """Run one item on this rank and save its record; True if this rank failed it."""
+        plan = self.groups[item.t]
+        if plan is None:      # this rank sits the item out (e.g. t=3 on a 4-rank job)
+            return False
+        group, ranks = plan
+        skip = failed_with(item.case, self.failed_cases, self.spec.graded_together)
+        if skip:
+            self.save(item, RankRecord(group=ranks, skipped=skip))
+            return False
+        ledger = CommLedger(group_size=item.t, progress_file=self.progress, label=item.id)
+        ctx = RankContext(rank=ranks.index(self.rank), world_size=item.t, group=group, device=self.device,
+                          ledger=ledger)
+        record = RankRecord(group=ranks)
+        ProgressFile.at(self.progress).write({"item": item.id, "phase": "import", "where": "importing your module"})
+        t0 = time.perf_counter()
+        self._arm(item, record, ledger, ctx, t0)
+        try:
+            if isinstance(self.modules.get(item.module), BaseException):
+                raise self.modules[item.module]
+            inputs = {k: v.to(self.device) for k, v in self.inputs[item.id].items()}
+            self.watch.begin(item.id, ranks, ledger)
+            with ledger:
+                out = self.runners[item.id](self.modules[item.module], item.config, inputs, ctx)
+            ctx.check_handed()
+            self.seal.check()
+            record.tensors = {k: (v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else None)
+                              for k, v in out.items()}
+        except Deadlock as exc:       # the harness's own verdicts: no student frames to show
+            record.error = f"grader.rank.watch.Deadlock: {exc}"
+        except Tampered as exc:
+            record.error = f"grader.rank.seal.Tampered: {exc}"
+        except BaseException as exc:  # SystemExit from student code too: it must not skip the report
+            record.error = user_traceback(exc, self.student_dir)
+        finally:
+            signal.alarm(0)
+            self.watch.end()
+        record.seconds, record.params, record.ledger = time.perf_counter() - t0, ctx.params, ledger.entries
+        self.save(item, record)
+        return bool(record.error)
+
+    def _arm(self, item: Item, record: RankRecord, ledger, ctx, t0: float):
+        """The item's clocks: SIGALRM for a Python-level hang, and the watch's way out of a deadlocked wait."""
+        def too_slow(signum, frame):
+            if self.watch.waiting_on:   # a victim, not the culprit: the peer it waits for is elsewhere
+                raise GradingError(f"still waiting in {self.watch.waiting_on} after {item.timeout} s: a peer never "
                                    "joined it (the other ranks' messages say where they were).")
-            raise GradingError(f"still running your code in {ledger.phase} after {item_timeout} s (not inside a "
+            raise GradingError(f"still running your code in {ledger.phase} after {item.timeout} s (not inside a "
                                "collective): an endless loop, a sleep, or far too much work?")
-        def give_up(message, item=item, res=res, ledger=ledger, ctx=ctx, t0=t0):
+
+        def give_up(message):
             # called by the watch's thread while this rank is blocked in a wait gloo cannot abort: record the
             # verdict as this item's result and leave; the launcher stops the job and the grader runs the
             # remaining checks in fresh ranks (seconds, instead of the process-group timeout per check)
-            res.update(error=f"grader.rank.watch.Deadlock: {message}", seconds=time.perf_counter() - t0,
-                       params=ctx.params, ledger=list(ledger.entries))
-            results[item["id"]] = res
-            _save(out_path, results)
+            record.error, record.seconds = f"grader.rank.watch.Deadlock: {message}", time.perf_counter() - t0
+            record.params, record.ledger = ctx.params, list(ledger.entries)
+            self.save(item, record)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(DEADLOCKED)
-        watch.give_up = give_up
-        ledger.waiter = watch.wait_functional
+        self.watch.give_up = give_up
+        ledger.waiter = self.watch.wait_functional
         signal.signal(signal.SIGALRM, too_slow)
-        signal.alarm(item_timeout)    # a Python-level hang; collectives have the process-group timeout
-        try:
-            if isinstance(modules.get(item["module"]), BaseException):
-                raise modules[item["module"]]
-            inputs = {k: v.to(device) for k, v in inputs_all[item["id"]].items()}
-            ledger.progress_file = progress
-            watch.begin(item["id"], ranks, ledger)
-            with ledger:
-                out = runners[item["id"]](modules[item["module"]], item["config"], inputs, ctx)
-            ctx.check_handed()
-            seal.check()
-            res["tensors"] = {k: (v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else None)
-                              for k, v in out.items()}
-        except Deadlock as exc:       # the harness's own verdicts: no student frames to show
-            res["error"] = f"grader.rank.watch.Deadlock: {exc}"
-            failed_last = True
-        except Tampered as exc:
-            res["error"] = f"grader.rank.seal.Tampered: {exc}"
-            failed_last = True
-        except BaseException as exc:  # SystemExit from student code too: it must not skip the report
-            res["error"] = user_traceback(exc, student_dir)
-            failed_last = True
-        finally:
-            signal.alarm(0)
-            watch.end()
-        res["seconds"] = time.perf_counter() - t0
-        res["params"] = ctx.params
-        res["ledger"] = ledger.entries
-        results[item["id"]] = res
-        _save(out_path, results)
-    try:   # the ranks leave together (the launcher takes a rank that leaves alone for a dead one)
-        dist.all_reduce(torch.zeros(1), group=control)
-    except Exception:
-        pass
-    ProgressFile.at(progress).write({"item": None, "phase": "done", "where": "finished"})
+        signal.alarm(item.timeout)
+
+    def finish(self):
+        try:   # the ranks leave together (the launcher takes a rank that leaves alone for a dead one)
+            dist.all_reduce(torch.zeros(1), group=self.control)
+        except Exception:
+            pass
+        ProgressFile.at(self.progress).write({"item": None, "phase": "done", "where": "finished"})
+
+
+def main(attempt: str) -> int:
+    global _RESULT_FD
+    _RESULT_FD = os.environ.pop("COURSE_RESULT_FD", None)   # before any student code runs
+    job = RankJob(attempt)
+    job.start()
+    failed_last, last = False, None
+    for item in job.spec.items:
+        if last is not None:
+            job.meet(failed_last, last)
+        failed_last, last = job.run_item(item), item
+    job.finish()
     return 0
 
 

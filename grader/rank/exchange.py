@@ -1,0 +1,134 @@
+"""The contract between the trusted process and the ranks of a grading job, in one place both sides import.
+
+The trusted side (grader/job.py, grader/attempt.py) writes a `JobSpec` to JOBDIR/attemptK/spec.json and each
+job rank's own inputs; every rank (grader/rank/entry.py) reads the spec, runs the items in order and writes a
+`RankRecord` per item to out/rank{r}.pt; the trusted side reads those back through `RankRecord.from_saved`,
+which checks every field's type (a rank's process is the student's: what it wrote is data, never trusted).
+The rules both sides apply (how a job's ranks form groups, which checks are skipped after a failure) are the
+functions here. The tensor-parallel size of an item is `t` everywhere, from the grade cell to the rank.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+DEADLOCKED = 3     # exit status of a rank that left a deadlocked check (its verdict is in its record)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One case at one tensor-parallel size t: what every rank of the job runs, in spec order."""
+    id: str                 # "week02/mlp@t2"
+    case: str               # "week02/mlp"
+    module: str             # the student's module the case imports
+    run_rank: str           # the function in grader/rank/<week>.py
+    t: int
+    seed: int
+    config: dict
+    timeout: int            # seconds one rank may spend in this item (SIGALRM)
+
+    @property
+    def week(self) -> str:
+        return self.case.split("/")[0]
+
+
+@dataclass
+class JobSpec:
+    items: list[Item]
+    pg_timeout: float
+    inputs: str             # path of each rank's own inputs, with {rank}
+    student: str            # the folder of the student's modules
+    graded_together: list[list[str]] = field(default_factory=list)
+
+    def save(self, path: str):
+        with open(path, "w") as f:
+            json.dump(asdict(self), f)
+
+    @classmethod
+    def load(cls, path: str) -> "JobSpec":
+        with open(path) as f:
+            d = json.load(f)
+        return cls(**{**d, "items": [Item(**it) for it in d["items"]]})
+
+
+def world_of(items: list[Item]) -> int:
+    """A launch runs every item on max(t) ranks; smaller sizes on sub-groups."""
+    return max(it.t for it in items)
+
+
+def group_of(job_rank: int, t: int, world: int) -> list[int] | None:
+    """The job ranks of `job_rank`'s group at size t: consecutive blocks of t; None if it sits the size out
+    (e.g. t=3 on a 4-rank job)."""
+    start = job_rank - job_rank % t
+    return list(range(start, start + t)) if start + t <= world else None
+
+
+def participants(t: int, world: int) -> list[int]:
+    return list(range(0, world - world % t))
+
+
+def failed_with(case: str, failed_cases: set[str], graded_together: list[list[str]]) -> str | None:
+    """A check scored with `case` (the same grade cell, or `case` itself) that has failed: its points are lost,
+    so `case` is not run again (a hang would cost a timeout again)."""
+    group = next((g for g in graded_together if case in g), [case])
+    return next((c for c in group if c in failed_cases), None)
+
+
+_SCALAR = (str, int, float, bool, type(None))
+
+
+@dataclass
+class RankRecord:
+    """What one rank reports for one item."""
+    group: list[int]                       # the job ranks of its group
+    tensors: dict = field(default_factory=dict)     # name -> tensor or None, for the trusted compare
+    params: dict = field(default_factory=dict)      # parameter name -> shape this rank's module holds
+    ledger: list = field(default_factory=list)      # the in-process record of collectives (teaching evidence)
+    error: str = ""                        # a traceback, or the harness's own verdict
+    seconds: float = 0.0
+    skipped: str = ""                      # a failed check scored with this one: not run
+
+    def to_saved(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_saved(cls, rec) -> "RankRecord":
+        """Check the type of every field a rank wrote; ValueError names the first that is wrong."""
+        import torch
+        if not isinstance(rec, dict):
+            raise ValueError(f"a {type(rec).__name__}, not a record")
+        kinds = {"group": list, "tensors": dict, "params": dict, "ledger": list, "error": str, "skipped": str,
+                 "seconds": (int, float)}
+        for key, val in rec.items():
+            if key not in kinds:
+                raise ValueError(f"an unknown field `{key}`")
+            if not isinstance(val, kinds[key]) or isinstance(val, bool):
+                raise ValueError(f"`{key}` is a {type(val).__name__}")
+        if "group" not in rec or not all(isinstance(r, int) and not isinstance(r, bool) for r in rec["group"]):
+            raise ValueError("`group` is not a list of ranks")
+        if not all(isinstance(k, str) and (v is None or isinstance(v, torch.Tensor))
+                   for k, v in rec.get("tensors", {}).items()):
+            raise ValueError("`tensors` holds something other than tensors")
+        if not all(isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(d, int) for d in v)
+                   for k, v in rec.get("params", {}).items()):
+            raise ValueError("`params` holds something other than shapes")
+        if not all(isinstance(e, dict) and all(isinstance(k, str) and (isinstance(v, _SCALAR) or (
+                isinstance(v, list) and all(isinstance(x, _SCALAR) for x in v))) for k, v in e.items())
+                   for e in rec.get("ledger", [])):
+            raise ValueError("`ledger` holds something other than plain records")
+        return cls(**rec)
+
+
+def records_from_saved(saved) -> dict[str, RankRecord]:
+    """A rank's file ({item id: record}) as typed records; ValueError on anything else."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"a {type(saved).__name__}, not a dict of items")
+    out = {}
+    for item_id, rec in saved.items():
+        if not isinstance(item_id, str):
+            raise ValueError("an item id that is not a string")
+        try:
+            out[item_id] = RankRecord.from_saved(rec)
+        except ValueError as exc:
+            raise ValueError(f"item {item_id[:40]!r}: {exc}") from None
+    return out
