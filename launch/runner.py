@@ -196,6 +196,13 @@ def start(target: str, nproc: int | None, args: Sequence[str] = (), *, module: b
     launcher = default_launcher(backend, launcher, interactive=interactive and not wrap)
     if held and launcher != "fork":
         raise ValueError(f"only the fork launcher can hold a job (this one is {launcher!r})")
+    if launcher == "warm" and not wrap:
+        from launch.zygote import ZygoteUnavailable, ensure_zygote
+        try:       # up first, so that the job's clock starts when its ranks can
+            ensure_zygote(tuple(preload))
+        except ZygoteUnavailable as exc:
+            print(f"note: {exc}; this job starts its own (fork) launcher", file=sys.stderr, flush=True)
+            launcher = "fork"
     job_id = uuid.uuid4().hex
     full_env = dict(os.environ if base_env is None else base_env)
     full_env.update(rank_env(backend, pg_timeout))

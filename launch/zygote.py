@@ -131,6 +131,10 @@ def _request(path: str, req: dict, fd: int | None = None, timeout: float = 5.0) 
         return json.loads(c.recv(65536).decode())
 
 
+class ZygoteUnavailable(RuntimeError):
+    """The resident launcher did not come up in time (a machine loaded far beyond its cores)."""
+
+
 def ensure_zygote(preload: tuple[str, ...] = (), start_timeout: float = 120.0) -> str:
     """The socket of this process's zygote, started (or restarted on a code change) as needed."""
     import subprocess
@@ -156,7 +160,7 @@ def ensure_zygote(preload: tuple[str, ...] = (), start_timeout: float = 120.0) -
                 return path
         except (OSError, ValueError, KeyError):
             time.sleep(0.1)
-    raise RuntimeError(f"the warm launcher did not start within {start_timeout:.0f} s: use launcher='fork'")
+    raise ZygoteUnavailable(f"the warm launcher did not start within {start_timeout:.0f} s")
 
 
 def start_job(req: dict, out_fd: int) -> int:

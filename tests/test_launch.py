@@ -93,6 +93,19 @@ def test_torchrun_ranks_destroy_their_group_before_interpreter_teardown(tmp_path
         assert "group alive at teardown: False" in res.rank_output(r), res.output
 
 
+def test_a_warm_launcher_that_cannot_start_falls_back_to_fork(script, monkeypatch, capsys):
+    """On a machine too loaded for the resident launcher to come up in time, the job still runs (and says so),
+    its clock starting only once its ranks can start."""
+    import launch.zygote as zygote
+
+    def never(*a, **k):
+        raise zygote.ZygoteUnavailable("the warm launcher did not start within 0 s")
+    monkeypatch.setattr(zygote, "ensure_zygote", never)
+    res = run(script, 2, module=False, launcher="warm", timeout=60)
+    assert res.ok and res.launcher == "fork", res.output
+    assert "starts its own (fork) launcher" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("launcher", ["warm", "fork"])
 def test_crash_names_the_root_cause_rank(script, launcher):
     res = run(script, 3, ["crash"], module=False, timeout=60, launcher=launcher)
