@@ -13,9 +13,10 @@ A ring (Patarasuk & Yuan 2009; Thakur et al. 2005) sends per rank (t-1)/t N byte
 reduce-scatter and all-gather and 2(t-1)/t N for all-reduce (N = bytes of the full tensor):
 the optimum, because each rank must receive (t-1)/t of the data in each phase.
 
-Inputs: one (4, ...) stack per case; rank r of a group of size t takes row r. The dense
-results are computed here, in the trusted process, from the stack (cumulative sums, so row
-t-1 is the sum of the first t ranks' inputs).
+Inputs: one (4, ...) stack per case; rank r of a group of size t receives row r only (its own tensor, as
+each process of a real job holds only its own data), never the other ranks' rows: the sum or the gathered
+tensor cannot be made without the ring. The dense results are computed here, in the trusted process, from
+the stack (cumulative sums, so row t-1 is the sum of the first t ranks' inputs).
 
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  1. ring_reduce_scatter returns chunk r of the sum -> reduce_scatter: `y`
@@ -32,6 +33,8 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  9. a ring step that cannot deadlock (non-blocking ops) -> every case: the deadlock watch names the ranks waiting
     in their sends (fixture deadlock_send_first)
 9 rules stated; 9 checked before this issue (rule 5 by an `x_unchanged` tensor), 9 checked now.
+Course-wide rule (not in this lab's text): a rank holds only its own input -> every case: `_own_row`
+(fixture peek_caller_frame).
 """
 from __future__ import annotations
 
@@ -46,6 +49,11 @@ P2P_ONLY = {"send", "recv"}
 
 def _inputs(cfg, gen):
     return {"x": torch.randn(T_MAX, *cfg["shape"], generator=gen)}
+
+
+def _own_row(cfg, inp, r, t):
+    """Rank r's own tensor, x_r: the others' rows of the stack stay in the trusted process."""
+    return {"x": inp["x"][r].clone()}
 
 
 def _reference(cfg, inp):
@@ -117,5 +125,5 @@ for _name, _fn, _shape, _seed in _SPECS:
     _exp, _kind = _EXPECT[_fn]
     register(Case(name=f"week01/{_name}", module=MODULE, world_sizes=(2, 3, 4), config={"shape": _shape, "fn": _fn},
                   make_inputs=_inputs, reference=_reference, run_rank="run_ring", expected=_exp,
-                  contract=_contract(_kind), seed=_seed, hidden=_seed is None, title=_fn,
+                  contract=_contract(_kind), seed=_seed, hidden=_seed is None, title=_fn, rank_inputs=_own_row,
                   hints={"y": HINTS[_fn]}))

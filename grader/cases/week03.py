@@ -12,6 +12,12 @@ its query heads read; a kv head read by several ranks is copied, and each copy's
 the partial from that rank's query heads (the dense grad is their sum; summing them is a
 once-per-step weight-grad sync, not part of the block's backward, so it is not in the contract).
 
+What each rank receives (`_own`): the dense module the harness hands `from_dense` with only this rank's parts
+(q rows of its query heads, k/v rows of kv_heads_of_rank, its columns of o_proj, its rows of gate/up and
+columns of down; every other entry NaN), the replicated RMSNorm weights whole, and the replicated input X and
+upstream grad dY (without sequence parallelism both are whole on every rank). A rank that computes with
+weights it does not own (a dense copy, another rank's heads) gets NaN, named in the verdict.
+
 Why atol=1e-3 is fair: weights come from N(0, 1/fan_in) (tpkit.models.init_weights: activations
 stay O(1)), inputs and upstream grads are N(0, 1), everything is float32 (eps ~1e-7) and the
 reductions are tens of terms long: a correct TP implementation differs from the dense one by
@@ -42,12 +48,13 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 15 rules stated; 15 checked before this issue, 15 checked now.
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
 ctx.hand on the dense module's parameters and the input (new; see grader/rank/week02.py on upstream grads).
+Course-wide rule: a rank holds only what its rank owns -> every case: `_own` (fixture dense_shadow).
 """
 from __future__ import annotations
 
 import torch
 
-from grader.case import Case, Contract, register
+from grader.case import Case, Contract, poisoned, register
 from reference.head_sharding import (
     dense_attention,
     dense_block,
@@ -69,6 +76,31 @@ def _inputs(kind):
         d["dy"] = torch.randn(cfg["batch"], cfg["seq"], cfg["hidden"], generator=gen)
         return d
     return make
+
+
+def _rows_only(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """`w` with every row outside [lo, hi) NaN: a GQA rank's kv rows need not be one torch.chunk block."""
+    out = torch.full_like(w, float("nan"))
+    out[lo:hi] = w[lo:hi]
+    return out
+
+
+def _own(cfg, d, r, t):
+    """Rank r's view: X and dY whole (replicated), the norm weights whole, every projection NaN outside r's part."""
+    hs = cfg["hidden"] // cfg["heads"]
+    first, end = kv_heads_of_rank(cfg["heads"], cfg["kv_heads"], r, t)
+    own = {"x": d["x"], "dy": d["dy"]}
+    for k, w in ((k, w) for k, w in d.items() if k.startswith("w.")):
+        leaf = k.split(".")[-2]
+        if leaf in ("q_proj", "gate_proj", "up_proj"):
+            own[k] = poisoned(w, r, t, 0)                  # column-parallel: its heads' / its ffn rows
+        elif leaf in ("k_proj", "v_proj"):
+            own[k] = _rows_only(w, first * hs, end * hs)   # the kv heads its query heads read
+        elif leaf in ("o_proj", "down_proj"):
+            own[k] = poisoned(w, r, t, 1)                  # row-parallel: the matching columns
+        else:
+            own[k] = w                                     # RMSNorm weights: replicated
+    return own
 
 
 def _attn_shards(cfg, ref, r, t, pre):
@@ -174,9 +206,9 @@ for name, ws, cfg, seed in ATTENTION:
     register(Case(name=f"week03/{name}", module=MODULE, world_sizes=ws, config=dict(cfg, world_sizes=list(ws)),
                   make_inputs=_inputs("attention"), reference=dense_attention, run_rank="run_attention",
                   expected=_expect_attention, contract=_contract_attention, seed=seed, hidden=seed is None,
-                  title="TP attention", hints=HINTS))
+                  rank_inputs=_own, title="TP attention", hints=HINTS))
 for name, ws, cfg, seed in BLOCK:
     register(Case(name=f"week03/{name}", module=MODULE, world_sizes=ws, config=dict(cfg, world_sizes=list(ws)),
                   make_inputs=_inputs("block"), reference=dense_block, run_rank="run_block",
                   expected=_expect_block, contract=_contract_block, seed=seed, hidden=seed is None,
-                  title="TP decoder block", hints=HINTS))
+                  rank_inputs=_own, title="TP decoder block", hints=HINTS))

@@ -3,9 +3,9 @@
 The padding rule (as Megatron pads its vocabulary to a multiple of the TP size): with V rows and t
 ranks, each rank owns ceil(V/t) consecutive rows of the padded vocabulary; rank r owns global ids
 [r ceil(V/t), (r+1) ceil(V/t)); ids >= V are padding. The embedding shard stores zeros there; the
-cross-entropy masks padded logit columns out (the rank fills them with a large value,
-grader.rank.week04.PAD_LOGIT, as garbage from a padded lm_head could be, so padding that is not
-masked wins the max and the softmax).
+cross-entropy masks padded logit columns out (each rank's slice has them filled with a large value,
+PAD_LOGIT, as garbage from a padded lm_head could be, so padding that is not masked wins the max and
+the softmax).
 
 Cross-entropy (Megatron-LM core/tensor_parallel/cross_entropy.py): three all-reduces of [B, T]
 tensors forward: MAX of the row max, SUM of the target logit (non-zero on the owning rank only),
@@ -14,6 +14,13 @@ local. Ignored targets are handled by a loss mask (ignore_index may even be a re
 runs over the unmasked tokens. Label smoothing eps needs the sum of the logits over the *whole*
 vocabulary (PyTorch: (1-eps) nll + eps * mean_v(-log p_v)); it travels with the target-logit SUM
 as one [2, B, T] all-reduce, so still 3 all-reduces, 4 [B, T]-units of bytes.
+
+What each rank receives: for the embedding, the dense table the harness hands `from_dense` with only rows
+vocab_range(V, r, t) (the other ranks' rows NaN), and the replicated (B, T) ids and upstream grad dY (the
+output is all-reduced, so every rank holds all of it); for the cross-entropy, only its own padded slice
+(B, T, ceil(V/t)) of the logits, as a vocab-parallel lm_head leaves them, and the replicated targets. The
+full logits and table stay in the trusted process: no rank can compute the loss or an id's row without the
+all-reduces.
 
 atol=1e-3: logits are 2 N(0, 1) in float32, a loss is a mean of O(1) terms, and the backward is seeded
 with dL/dloss = B*T so each logit grad is O(1) (not O(1/#tokens), where an error would hide under the
@@ -46,22 +53,32 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
 ctx.hand on the dense table, the ids, the logits and the targets (new; fixture
 targets_overwritten).
+Course-wide rule: a rank holds only what its rank owns -> `_own_rows`, `_own_logits` (fixture
+dense_table_lookup).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 from grader.case import Case, Contract, register
-from grader.rank.week04 import (
-    MAX_REDUCES,
-    WEIGHT_SHARD,
-    pad_shard,
-    padded_rows,
-    upstream,
-)
+from grader.rank.week04 import MAX_REDUCES, WEIGHT_SHARD, upstream
 
 MODULE = "vocab_parallel"
+PAD_LOGIT = 30.0   # what a padded lm_head row might produce: must never win
+
+
+def padded_rows(vocab: int, t: int) -> int:
+    return math.ceil(vocab / t)
+
+
+def pad_shard(x: torch.Tensor, vocab: int, r: int, t: int, dim: int, value: float = 0.0) -> torch.Tensor:
+    """Rank r's slice of x padded along `dim` from V to t ceil(V/t) entries."""
+    per = padded_rows(vocab, t)
+    pad = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, t * per - vocab]
+    return F.pad(x, pad, value=value).narrow(dim, r * per, per).contiguous()
 
 
 # -- embedding -------------------------------------------------------------------
@@ -70,6 +87,15 @@ def _emb_inputs(cfg, gen):
     ids = torch.randint(0, V, (B, T), generator=gen)
     ids[0, 0], ids[-1, -1] = 0, V - 1                       # the first and the last row, always
     return {"ids": ids, "W": torch.randn(V, C, generator=gen), "dy": torch.randn(B, T, C, generator=gen)}
+
+
+def _own_rows(cfg, inp, r, t):
+    """The dense table with only rank r's rows [r ceil(V/t), (r+1) ceil(V/t)) of the real V; ids and dY whole."""
+    V, per = cfg["vocab"], padded_rows(cfg["vocab"], t)
+    lo, hi = min(r * per, V), min((r + 1) * per, V)         # a rank past V holds padding only: no real row
+    w = torch.full_like(inp["W"], float("nan"))
+    w[lo:hi] = inp["W"][lo:hi]
+    return {"ids": inp["ids"], "W": w, "dy": inp["dy"]}
 
 
 def _emb_reference(cfg, inp):
@@ -101,6 +127,13 @@ def _ce_inputs(cfg, gen):
     targets[drop] = cfg["ignore_index"]
     targets[0, 0] = (cfg["ignore_index"] + 1) % V if 0 <= cfg["ignore_index"] < V else V - 1  # one kept token
     return {"logits": 2.0 * torch.randn(B, T, V, generator=gen), "targets": targets}
+
+
+def _own_logits(cfg, inp, r, t):
+    """Rank r's padded vocab slice of the logits, its padded columns PAD_LOGIT (garbage a padded lm_head row could
+    produce: it must never win); the targets whole."""
+    return {"logits": pad_shard(inp["logits"], cfg["vocab"], r, t, -1, value=PAD_LOGIT),   # (B, T, ceil(V/t))
+            "targets": inp["targets"]}
 
 
 def _ce_reference(cfg, inp):
@@ -163,8 +196,10 @@ CE = [("cross_entropy", (2, 4), _c(), 2),
 for name, ws, cfg, seed in EMB:
     register(Case(name=f"week04/{name}", module=MODULE, world_sizes=ws, config=cfg, make_inputs=_emb_inputs,
                   reference=_emb_reference, run_rank="run_embedding", expected=_emb_expected, contract=_emb_contract,
-                  seed=seed, hidden=seed is None, title="VocabParallelEmbedding", hints=HINTS))
+                  seed=seed, hidden=seed is None, rank_inputs=_own_rows, title="VocabParallelEmbedding",
+                  hints=HINTS))
 for name, ws, cfg, seed in CE:
     register(Case(name=f"week04/{name}", module=MODULE, world_sizes=ws, config=cfg, make_inputs=_ce_inputs,
                   reference=_ce_reference, run_rank="run_cross_entropy", expected=_ce_expected, contract=_ce_contract,
-                  seed=seed, hidden=seed is None, title="vocab-parallel cross-entropy", hints=HINTS))
+                  seed=seed, hidden=seed is None, rank_inputs=_own_logits, title="vocab-parallel cross-entropy",
+                  hints=HINTS))

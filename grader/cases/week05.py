@@ -13,6 +13,15 @@ Activations are (B, T, C); rank r holds positions r*T/t:(r+1)*T/t (torch.chunk a
   attention means real positions never see the pad, and a zero dy on the pad rows leaves every gradient
   equal to the unpadded one; the reference is the dense layer run on the padded sequence.
 
+What each rank receives (`_own_*`, Case.rank_inputs): its sequence block of x and dY (and its own summands for the
+operators); pad_and_split gets the whole (B, T, C) x with every position outside its padded block NaN; the dense
+DecoderLayer / ForCausalLM from_dense is handed stays whole (every submodule and parameter, the replicated norm
+weights intact), but each sharded weight carries only this rank's block (q/k/v, gate/up, embed_tokens, lm_head
+rows; o/down columns), the rest NaN; sp_model gets the whole (B, T) ids and its vocab columns of dlogits. No weight
+seed leaves the trusted process. divisibility receives nothing (it builds its own small layers). (Fixture
+dense_head_keep_columns: every logit from the kept dense LM head, then its columns, full marks when ranks were
+handed everything; now the head's input grad reads the NaN rows.)
+
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  1. GatherFromSequence: all-gather along T forward, reduce-scatter backward -> sequence_ops: `y_gather`,
     `dx_gather`, Contract.counts
@@ -44,26 +53,24 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 17. all-gather along T before the LM head, whose backward reduce-scatters -> counts forward {all_gather: 2L+1},
     backward {reduce_scatter: 2L+1}; every grad below the head (fixture head_gather_own_grad)
 18. forward returns this rank's logit columns for all T positions, (B, T, V/t) -> `logits`
-18 rules stated; 12 checked before this issue, 18 checked now.
-Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
-ctx.hand on the inputs and the dense layer's parameters (new; see grader/rank/week02.py on upstream grads).
+19. SPDecoderLayer.from_dense and SPCausalLM.from_dense leave the module they are given as it was (copy what you
+    keep; the demo cells run the dense module afterwards) -> sp_block*, sp_model*: grader.rank.week05.check_untouched
+    after from_dense and after backward: the same submodule names and types, the same parameter and buffer
+    objects with their shapes, no new hooks on them, no .grad on them (values: ctx.hand, rule 20) (fixtures
+    model_taken_apart, layer_taken_apart, norm_shared_with_caller; independent_sp_model: a correct SPCausalLM
+    built from fresh modules, full marks) (new in issue 23)
+20. your code may not write into the tensors it is given -> every case: ctx.hand on the inputs and the dense
+    layer's parameters (see grader/rank/week02.py on upstream grads)
+20 rules stated, 20 checked. 19 is new in issue 23; 20 was graded before, but the lab's text states it only since
+issue 25.
 """
 from __future__ import annotations
 
 import torch
 
-from grader.case import Case, Contract, register
-from grader.rank.week05 import (
-    COLUMN,
-    NORMS,
-    ROW,
-    dense_layer,
-    dense_lm,
-    lm_config,
-    lm_shard_dim,
-    pad_seq,
-)
-from tpkit.models import ForCausalLM
+from grader.case import Case, Contract, poisoned, register, shard
+from grader.rank.week05 import COLUMN, NORMS, ROW, layer_config, lm_config
+from tpkit.models import DecoderLayer, ForCausalLM, init_weights
 
 MODULE = "sp_block"
 SEQ_HINT = ("Rank r's block is positions r*T/t:(r+1)*T/t (torch.chunk along dim 1). all_gather_single and "
@@ -82,8 +89,58 @@ for n in COLUMN + ROW:
                                      "r*out/t:(r+1)*out/t for q/k/v/gate/up, the same block of columns for o/down.")
 
 
-def _shard(t, r, n, dim):
-    return t.chunk(n, dim=dim)[r].contiguous()
+def dense_layer(cfg, inp):
+    return init_weights(DecoderLayer(layer_config(cfg)), int(inp["wseed"][0]))
+
+
+def dense_lm(cfg, inp):
+    return init_weights(ForCausalLM(lm_config(cfg)), int(inp["wseed"][0]))
+
+
+def lm_shard_dim(name: str):
+    """The dim along which rank r keeps 1/t of the dense parameter `name` (None: replicated)."""
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")) or any(f"{c}.weight" in name for c in COLUMN):
+        return 0                       # vocab rows; column-parallel output features
+    if any(f"{c}.weight" in name for c in ROW):
+        return 1                       # row-parallel input features
+    return None                        # norm weights
+
+
+def pad_seq(x, t):
+    """Zero-pad dim 1 (T) at the end to a multiple of t."""
+    return torch.nn.functional.pad(x, (0, 0, 0, -x.shape[1] % t))
+
+
+# -- what each rank receives (only what a real TP+SP rank owns) ------------------------------------
+def _own_dense(module, r, t):
+    """The dense module's parameters as from_dense hands them to rank r: each sharded weight with the other ranks'
+    blocks NaN, the replicated norm weights whole (the module stays whole: every submodule, every parameter)."""
+    return {f"dense.{n}": p.detach().clone() if lm_shard_dim(n) is None else poisoned(p.detach(), r, t, lm_shard_dim(n))
+            for n, p in module.named_parameters()}
+
+
+def _own_ops(cfg, d, r, t):
+    """Its sequence block of x and of dY, and its own summands (the tensor it reduce-scatters, the grad of its
+    gathered output)."""
+    return {"x": shard(d["x"], r, t, 1), "xs": d["xs"][r], "dys": d["dys"][r], "dy": shard(d["dy"], r, t, 1)}
+
+
+def _own_block(cfg, d, r, t):
+    """Its block of the (padded) sequence of x and dY; with uneven T, the x given to pad_and_split with every
+    position outside that block NaN; the dense layer as `_own_dense`. No weight seed: it would rebuild the layer."""
+    own = _own_dense(dense_layer(cfg, d), r, t)
+    if cfg.get("uneven"):
+        own["x"] = poisoned(pad_seq(d["x"], t), r, t, 1)[:, :d["x"].shape[1]]     # (B, T, C)
+    else:
+        own["x"] = shard(d["x"], r, t, 1)                                         # (B, T/t, C)
+    own["dy"] = shard(pad_seq(d["dy"], t), r, t, 1)                               # (B, T_pad/t, C)
+    return own
+
+
+def _own_model(cfg, d, r, t):
+    """The whole ids (a vocab-parallel embedding looks up every position), its vocab columns of dlogits, the dense
+    model as `_own_dense`."""
+    return {"ids": d["ids"], "dy": shard(d["dy"], r, t, -1), **_own_dense(dense_lm(cfg, d), r, t)}
 
 
 # -- the two sequence operators ------------------------------------------------------------------
@@ -102,8 +159,8 @@ def _ops_reference(cfg, d):
 
 
 def _ops_expected(cfg, ref, r, t):
-    return {"y_gather": ref["x"], "dx_gather": _shard(ref[f"sum_dys{t}"], r, t, 1),
-            "y_reduce_scatter": _shard(ref[f"sum_xs{t}"], r, t, 1), "dx_reduce_scatter": ref["dy"]}
+    return {"y_gather": ref["x"], "dx_gather": shard(ref[f"sum_dys{t}"], r, t, 1),
+            "y_reduce_scatter": shard(ref[f"sum_xs{t}"], r, t, 1), "dx_reduce_scatter": ref["dy"]}
 
 
 def _ops_contract(cfg, t):
@@ -123,7 +180,7 @@ OPS_HINTS = {"y_gather": SEQ_HINT, "y_reduce_scatter": SEQ_HINT,
 for name, shape, seed in [("sequence_ops", (2, 8, 6), 0), ("sequence_ops_hidden", (3, 12, 5), None)]:
     register(Case(name=f"week05/{name}", module=MODULE, world_sizes=(2, 4), config={"shape": list(shape)},
                   make_inputs=_ops_inputs, reference=_ops_reference, run_rank="run_sequence_ops",
-                  expected=_ops_expected, contract=_ops_contract, seed=seed, hidden=seed is None,
+                  expected=_ops_expected, contract=_ops_contract, seed=seed, hidden=seed is None, rank_inputs=_own_ops,
                   title="sequence operators", hints=OPS_HINTS))
 
 
@@ -157,13 +214,13 @@ def _block_reference(cfg, d):
 
 def _block_expected(cfg, ref, r, t):
     tag = str(t) if cfg.get("uneven") else ""
-    out = {"y": _shard(ref[f"y{tag}"], r, t, 1), "dx": _shard(ref[f"dx{tag}"], r, t, 1)}
+    out = {"y": shard(ref[f"y{tag}"], r, t, 1), "dx": shard(ref[f"dx{tag}"], r, t, 1)}
     if cfg.get("uneven"):
-        out["x_block"] = _shard(ref[f"xp{tag}"], r, t, 1)
+        out["x_block"] = shard(ref[f"xp{tag}"], r, t, 1)
     for name in COLUMN:
-        out[f"d{name.split('.')[-1]}"] = _shard(ref[f"d{name.split('.')[-1]}{tag}"], r, t, 0)
+        out[f"d{name.split('.')[-1]}"] = shard(ref[f"d{name.split('.')[-1]}{tag}"], r, t, 0)
     for name in ROW:
-        out[f"d{name.split('.')[-1]}"] = _shard(ref[f"d{name.split('.')[-1]}{tag}"], r, t, 1)
+        out[f"d{name.split('.')[-1]}"] = shard(ref[f"d{name.split('.')[-1]}{tag}"], r, t, 1)
     for name in NORMS:
         out[f"d{name}"] = ref[f"d{name}{tag}"]       # replicated: the dense grad on every rank
     return out
@@ -199,7 +256,8 @@ for name, cfg, seed in [
         ("sp_block_uneven_hidden", dict(BASE, B=1, T=5, C=16, F=32, nh=4, nkv=4, uneven=True), None)]:
     register(Case(name=f"week05/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_block_inputs,
                   reference=_block_reference, run_rank="run_block", expected=_block_expected,
-                  contract=_block_contract, seed=seed, hidden=seed is None, title="SPDecoderLayer", hints=HINTS))
+                  contract=_block_contract, seed=seed, hidden=seed is None, rank_inputs=_own_block,
+                  title="SPDecoderLayer", hints=HINTS))
 
 
 # -- the divisibility rule the task states ---------------------------------------------------------
@@ -207,7 +265,7 @@ DIVISIBILITY = ("kv heads not divisible by t raises ValueError (1 = yes)",
                 "FFN width not divisible by t raises ValueError (1 = yes)")
 register(Case(name="week05/divisibility", module=MODULE, world_sizes=(2, 4), config={},
               make_inputs=lambda cfg, gen: {"unused": torch.zeros(1)}, reference=lambda cfg, inp: {},
-              run_rank="run_divisibility", expected=lambda cfg, ref, r, t: {k: torch.tensor(1) for k in DIVISIBILITY},
+              rank_inputs=lambda cfg, d, r, t: {}, run_rank="run_divisibility", expected=lambda cfg, ref, r, t: {k: torch.tensor(1) for k in DIVISIBILITY},
               contract=lambda cfg, t: Contract(allowed_ops=set()), seed=7, title="SPDecoderLayer divisibility",
               hints={DIVISIBILITY[0]: "The task: raise ValueError in from_dense when num_key_value_heads % t != 0 "
                                       "(a kv head cannot be split across ranks).",
@@ -232,11 +290,11 @@ def _model_reference(cfg, d):
 
 
 def _model_expected(cfg, ref, r, t):
-    out = {"logits": _shard(ref["logits"], r, t, -1)}    # this rank's vocab columns, every position
+    out = {"logits": shard(ref["logits"], r, t, -1)}    # this rank's vocab columns, every position
     for key, g in ref.items():
         if key != "logits":
             dim = lm_shard_dim(key[1:])
-            out[key] = g if dim is None else _shard(g, r, t, dim)
+            out[key] = g if dim is None else shard(g, r, t, dim)
     return out
 
 
@@ -290,4 +348,5 @@ for name, cfg, seed in [
         ("sp_model_hidden", {"B": 3, "T": 12, "V": 48, "C": 24, "F": 48, "nh": 4, "nkv": 4, "L": 1}, None)]:
     register(Case(name=f"week05/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_model_inputs,
                   reference=_model_reference, run_rank="run_model", expected=_model_expected,
-                  contract=_model_contract, seed=seed, hidden=seed is None, title="SPCausalLM", hints=MODEL_HINTS))
+                  contract=_model_contract, seed=seed, hidden=seed is None, rank_inputs=_own_model,
+                  title="SPCausalLM", hints=MODEL_HINTS))

@@ -5,6 +5,12 @@ Correctness is graded (dense reference at atol=1e-3, plus bit-exactness vs the n
 where the algorithm allows); the time overlap saves is not (a timing, reported by
 `tpkit.timeline.overlap_efficiency`). Task 4 grades the order of issue, GEMM and wait instead (rule 12).
 
+What each rank receives (`_own_*`, Case.rank_inputs): the ring functions get its x block (the sequence block for
+AG+GEMM, the input-feature block for GEMM+RS) and its weight shard, nothing of the other ranks'; the linears get the
+dense weight from_dense is handed with the other ranks' rows (column, SP column) or columns (row) NaN, their input
+block and their block of dY (fixture column_dense_weight: every output feature from the kept dense weight, then
+its columns, full marks when ranks were handed everything; now dX = dY W reads the NaN rows).
+
 Bit-exactness ("same_bits_as_plain"): the harness recomputes the non-overlapped version on the rank, in a
 phase the contract ignores: all-gather then F.linear on each contiguous (B, T/t, C) block; or F.linear per
 block then reduce_scatter. The ring AG moves bytes and never adds, so its GEMMs see identical inputs: equal
@@ -40,15 +46,20 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 12. the all-gather is posted (async_op=True) before the dgrad GEMM and waited after it; the reduce-scatter is
     posted before the wgrad GEMM and waited after it -> `overlap_ag`, `overlap_rs`: the order in which backward
     issued each collective, ran GEMMs (aten mm/addmm/bmm/baddbmm) and returned from Work.wait / wait_tensor,
-    recorded on the rank (tpkit.timeline.IssueLog) (fixture serialized_backward_ag)
-12 rules stated; 8 checked before this issue, 12 checked now.
+    recorded on the rank (tpkit.timeline.IssueLog) (fixture serialized_backward_ag). Only the GEMM the rule names
+    counts, recognised by what it reads and makes (grader.rank.week06.BackwardGemms): the dgrad GEMM reads all of
+    dY and the weight and makes all of dX; the wgrad GEMM reads all of dY and of the re-gathered X and makes all
+    of dW; views and data-moving copies of those buffers count as them (tpkit.timeline.Provenance) (fixtures
+    dummy_gemm_under_collectives: a 1x1 torch.mm under each; sliced_gemm_under_collectives: one position's
+    share; independent_backward: a correct backward written differently, full marks)
+12 rules stated; 8 checked before this issue, 12 checked now (rule 12 by the named GEMMs since issue 23).
 Stated by the lab as reported, not graded: the ring's overlap (Tasks 1-3: post step k+1 before the GEMM of step k,
 wait after it). Timing on a shared CPU is not a fair grade; the ungraded cell reports it (fixture
 serialized_overlap passes by design). Task 4 grades the *order* of issue, GEMM and wait (rule 12), which is
 deterministic; whether the bytes really moved during the GEMM is a timing again, and not graded.
 "No bias" is the lab's scope, not a rule.
-Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> the ring functions'
-inputs (before) and now also the linears' dense weight and input: ctx.hand.
+Course-wide rule, stated in the lab's introduction since issue 25: code may not write into the tensors it is given ->
+ctx.hand on the ring functions' inputs and the linears' dense weight and input (fixture receives_into_input).
 """
 from __future__ import annotations
 
@@ -57,7 +68,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from grader.case import Case, Contract, register
+from grader.case import Case, Contract, poisoned, register, shard
 
 MODULE = "overlap_linear"
 BITS_HINT = ("The ring moves bytes without arithmetic, so each block's GEMM sees the same input as 'all-gather, then "
@@ -86,20 +97,34 @@ def _reference(cfg, d):
     return {"x": d["x"], "y": y.detach(), "dx": x.grad, "dW": w.grad}
 
 
-def _shard(t, r, n, dim):
-    return t.chunk(n, dim=dim)[r].contiguous()
+# -- what each rank receives (only what a real TP/SP rank owns) ----------------------------------
+def _own_ag(cfg, d, r, t):
+    return {"x": shard(d["x"], r, t, 1), "W": shard(d["W"], r, t, 0)}        # (B, T/t, C), (O/t, C)
+
+
+def _own_rs(cfg, d, r, t):
+    return {"x": shard(d["x"], r, t, 2), "W": shard(d["W"], r, t, 1)}        # (B, T, I/t), (O, I/t)
+
+
+def _own_linear(cfg, d, r, t):
+    """The dense weight from_dense is handed, with the other ranks' rows (column) or columns (row) NaN; the
+    layer's input block and its block of dY: the sequence in and out-feature columns out for the column layer,
+    the mirror image for the row layer (the SP column linear of Task 4 is the column case)."""
+    if cfg.get("kind") == "row":
+        return {"x": shard(d["x"], r, t, 2), "W": poisoned(d["W"], r, t, 1), "dy": shard(d["dy"], r, t, 1)}
+    return {"x": shard(d["x"], r, t, 1), "W": poisoned(d["W"], r, t, 0), "dy": shard(d["dy"], r, t, 2)}
 
 
 # -- the two ring functions (forward only) --------------------------------------------------------
 def _expect_ag(cfg, ref, r, t):
-    out = {"y": _shard(ref["y"], r, t, 2), "x_full": ref["x"]}
+    out = {"y": shard(ref["y"], r, t, 2), "x_full": ref["x"]}
     if t == 2:
         out["same_bits_as_plain"] = torch.tensor([1])
     return out
 
 
 def _expect_rs(cfg, ref, r, t):
-    out = {"y": _shard(ref["y"], r, t, 1)}
+    out = {"y": shard(ref["y"], r, t, 1)}
     if t == 2:
         out["same_bits_as_plain"] = torch.tensor([1])
     return out
@@ -117,8 +142,8 @@ def _ring_contract(phases):
 # -- the linears (forward + backward) -------------------------------------------------------------
 def _expect_linear(cfg, ref, r, t):
     if cfg["kind"] == "column":
-        return {"y": _shard(ref["y"], r, t, 2), "dx": _shard(ref["dx"], r, t, 1), "dW": _shard(ref["dW"], r, t, 0)}
-    return {"y": _shard(ref["y"], r, t, 1), "dx": _shard(ref["dx"], r, t, 2), "dW": _shard(ref["dW"], r, t, 1)}
+        return {"y": shard(ref["y"], r, t, 2), "dx": shard(ref["dx"], r, t, 1), "dW": shard(ref["dW"], r, t, 0)}
+    return {"y": shard(ref["y"], r, t, 1), "dx": shard(ref["dx"], r, t, 2), "dW": shard(ref["dW"], r, t, 1)}
 
 
 def _linear_contract(cfg, t):
@@ -140,18 +165,20 @@ for name, cfg, seed in [("ag_matmul", _cfg(), 10), ("ag_matmul_hidden", _cfg(B=3
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_ag_matmul", expected=_expect_ag,
                   contract=_ring_contract(("forward",)), seed=seed, hidden=seed is None, title="ring AG+GEMM",
+                  rank_inputs=_own_ag,
                   hints=HINTS))
 for name, cfg, seed in [("matmul_rs", _cfg(), 11), ("matmul_rs_hidden", _cfg(B=1, T=12, **{"in": 20, "out": 8}), None)]:
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_matmul_rs", expected=_expect_rs,
                   contract=_ring_contract(("forward",)), seed=seed, hidden=seed is None, title="GEMM+ring RS",
+                  rank_inputs=_own_rs,
                   hints=HINTS))
 for name, cfg, seed in [("column_linear", _cfg(kind="column"), 12), ("row_linear", _cfg(kind="row"), 13),
                         ("column_linear_hidden", _cfg(B=3, T=4, kind="column", **{"in": 12, "out": 8}), None),
                         ("row_linear_hidden", _cfg(B=1, T=12, kind="row", **{"in": 8, "out": 12}), None)]:
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_linear", expected=_expect_linear, contract=_linear_contract,
-                  seed=seed, hidden=seed is None, title="overlapped linear", hints=HINTS))
+                  seed=seed, hidden=seed is None, rank_inputs=_own_linear, title="overlapped linear", hints=HINTS))
 
 
 # -- Task 4: the sequence-parallel column linear with Megatron's backward overlap --------------------------
@@ -165,13 +192,18 @@ SP_HINTS.update({
                "computing dX another way (or summing it yourself) can.",
     "bits_dW": "1 = dW equals dy.flatten(0, -2).t() @ X.flatten(0, -2) bit for bit, X the re-gathered input "
                "(another formula, e.g. (X^T dY)^T, may round differently).",
-    "overlap_ag": "Codes: 1 = the all-gather of x_s was posted (async_op=True), a GEMM ran (dX = dy @ weight), then "
-                  "it was waited (overlapped); 0 = it was waited before any GEMM ran (async_op=False, or wait() "
-                  "right after posting: serialised); 2 = never waited; 3 = no all-gather was posted in backward.",
-    "overlap_rs": "Codes: 1 = the reduce-scatter of dX was posted (async_op=True), a GEMM ran (dW), then it was "
-                  "waited (overlapped); 0 = it was waited before any GEMM ran (serialised: post it before the dW "
-                  "GEMM, wait after); 2 = never waited (its result may not have arrived); 3 = no reduce-scatter "
-                  "was posted in backward.",
+    "overlap_ag": "Codes: 1 = the all-gather of x_s was posted (async_op=True), the dgrad GEMM ran, then it was "
+                  "waited (overlapped); 0 = the dgrad GEMM did not run between post and wait (async_op=False, "
+                  "wait() right after posting, or dX computed after the wait; another GEMM there does not count); "
+                  "2 = never waited; 3 = no all-gather was posted in backward. The dgrad GEMM is recognised by what "
+                  "it reads and makes: dy and the weight (or views and copies of them), all of dX (B, T, C) in one "
+                  "GEMM, as dy @ weight does.",
+    "overlap_rs": "Codes: 1 = the reduce-scatter of dX was posted (async_op=True), the wgrad GEMM ran, then it was "
+                  "waited (overlapped); 0 = the wgrad GEMM did not run between post and wait (serialised: post it "
+                  "before the dW GEMM, wait after; another GEMM there does not count); 2 = never waited (its result "
+                  "may not have arrived); 3 = no reduce-scatter was posted in backward. The wgrad GEMM is recognised "
+                  "by what it reads and makes: dy and the X gathered in backward (or views and copies of them), "
+                  "all of dW (O/t, C) in one GEMM.",
     "saves_shard_only": "1 = forward kept only x_s (B, T/t, C) for backward; 0 = it kept a tensor the size of the "
                         "gathered X (B, T, C), which the re-gather in backward exists to avoid.",
 })
@@ -179,7 +211,7 @@ SP_HINTS.update({
 
 def _expect_sp_column(cfg, ref, r, t):
     one = torch.tensor([1])
-    return {"y": _shard(ref["y"], r, t, 2), "dx": _shard(ref["dx"], r, t, 1), "dW": _shard(ref["dW"], r, t, 0),
+    return {"y": shard(ref["y"], r, t, 2), "dx": shard(ref["dx"], r, t, 1), "dW": shard(ref["dW"], r, t, 0),
             "bits_y": one, "bits_dx": one, "bits_dW": one, "overlap_ag": one, "overlap_rs": one,
             "saves_shard_only": one}
 
@@ -199,5 +231,5 @@ for name, cfg, seed in [("sp_column_backward", _cfg(), 14),
                         ("sp_column_backward_hidden", _cfg(B=3, T=4, **{"in": 12, "out": 8}), None)]:
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_sp_column", expected=_expect_sp_column,
-                  contract=_sp_column_contract, seed=seed, hidden=seed is None,
+                  contract=_sp_column_contract, seed=seed, hidden=seed is None, rank_inputs=_own_linear,
                   title="SP column linear, backward overlap", hints=SP_HINTS))

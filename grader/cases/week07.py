@@ -1,8 +1,21 @@
 """Week 7: a DTensor TP + SP plan for the course model (`tpkit.models`), graded on t = 2 and 4.
 
 The student writes plans (module path -> ParallelStyle); the harness applies them with
-`parallelize_module` to a pure dense model built from a seed, runs forward + backward (loss parallel
-for the full model) and compares with the dense model run here, in the trusted process.
+`parallelize_module` to a pure dense model, runs forward + backward (loss parallel for the full model)
+and compares with the dense model run here, in the trusted process.
+
+What each rank receives (`_own`): the dense model's weights with only this rank's part of each: its Shard(0)
+rows of q/k/v/gate/up/lm_head/embed_tokens, its Shard(1) columns of o_proj/down_proj, every other entry NaN;
+the replicated norm weights whole. Under FSDP2 x TP (fsdp_tp) only its dim-0 FSDP chunk of that TP part
+(the rest NaN, the norms too), as fully_shard keeps it. Activations: the block gets its sequence shard of X and
+dY (B, T/t, C), as sequence parallelism leaves them; the model gets the replicated (B, T) ids and labels, and
+fsdp_tp its data-parallel micro-batch of them. The weights (and the seed they come from) stay here.
+Why the harness calls parallelize_module(..., src_data_rank=None): with the default src_data_rank=0, every
+style's distribute_tensor scatters rank 0's copy of each weight (torch/distributed/tensor/_api.py), so rank 0
+would have to hold every rank's shards and the other ranks' copies would go unread; with None each rank
+splits its own copy locally, and a plan gets exactly the shards that rank 0's scatter of the dense model gives
+(the same torch.chunk blocks). fully_shard always splits the local copy (no broadcast).
+A plan that leaves a weight whole, or shards it along the other dimension, computes with NaN.
 
 Collectives per direction with TP + SP (Korthikanti et al. 2022, Sec. 4.2.2): each of the two
 sub-blocks of a layer enters its TP region with an all-gather of the sequence shards and leaves it
@@ -43,6 +56,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 18 rules stated; 15 checked before this issue (13, 14 and 16 were not), 18 checked now.
 Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> ctx.hand on the
 inputs, and the ids and labels handed to pad_for_sp (new).
+Course-wide rule: a rank holds only what its rank owns -> every case: `_own` (fixture embedding_colwise).
 """
 from __future__ import annotations
 
@@ -50,7 +64,7 @@ import math
 
 import torch
 
-from grader.case import Case, Contract, register
+from grader.case import Case, Contract, register, shard
 from grader.rank.week07 import (
     CHECKED_PARAMS,
     FSDP_LAYERS,
@@ -58,6 +72,7 @@ from grader.rank.week07 import (
     FSDP_ROOT,
     PADDED_IDS,
     PADDED_LABELS,
+    load_dense,
 )
 from tpkit.models import DecoderLayer, ForCausalLM, init_weights, week07_config
 
@@ -86,11 +101,16 @@ def _expected_shape(name, shape, t):
     return tuple(shape)
 
 
-# -- inputs and references (trusted process) --------------------------------------
+def _dense(cfg):
+    return DecoderLayer(_cfg(cfg)) if cfg["kind"] == "block" else ForCausalLM(_cfg(cfg))
+
+
+# -- inputs, what each rank receives, references (trusted process) ------------------
 def _inputs(cfg, gen):
     mc = _cfg(cfg)
     B, T = cfg["B"], cfg["T"]
-    d = {"init_seed": torch.randint(0, 2**31 - 1, (1,), generator=gen)}
+    dense = init_weights(_dense(cfg), int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    d = {f"w.{n}": p.detach().clone() for n, p in dense.named_parameters()}
     if cfg["kind"] == "block":
         d["x"] = torch.randn(B, T, mc.hidden_size, generator=gen)
         d["dy"] = torch.randn(B, T, mc.hidden_size, generator=gen)
@@ -100,18 +120,46 @@ def _inputs(cfg, gen):
     return d
 
 
+def _keep(w: torch.Tensor, blocks) -> torch.Tensor:
+    """`w` NaN outside one nested block: each (dim, i, n) of `blocks` takes the i-th torch.chunk of n along dim
+    of the block before it (TP's Shard, then FSDP2's dim-0 chunk of the local shard)."""
+    out = torch.full_like(w, float("nan"))
+    src, dst = w, out
+    for dim, i, n in blocks:
+        sizes = [c.shape[dim] for c in src.chunk(n, dim=dim)] + [0] * n    # a chunk past the end is empty
+        src, dst = (x.narrow(dim, sum(sizes[:i]), sizes[i]) for x in (src, dst))
+    dst.copy_(src)
+    return out
+
+
+def _own(cfg, d, r, t):
+    """Rank r's view: its part of each weight (the rest NaN), its sequence shard of the block's X and dY, the
+    model's ids and labels whole (its dp micro-batch under fsdp_tp)."""
+    dp = cfg.get("dp", 1)
+    tp, tp_r, dp_r = t // dp, r % (t // dp), r // (t // dp)     # the (dp, tp) mesh holds ranks row-major
+    own = {}
+    for k, w in d.items():
+        if k.startswith("w."):
+            tp_dim = _shard_dim(k[2:])
+            blocks = ([] if tp_dim is None else [(tp_dim, tp_r, tp)]) + ([(0, dp_r, dp)] if dp > 1 else [])
+            own[k] = _keep(w, blocks)
+        elif k in ("x", "dy"):
+            own[k] = shard(w, r, t, 1)                          # (B, T/t, C): sequence parallel
+        else:
+            own[k] = w.chunk(dp)[dp_r].contiguous()              # ids, labels: (B, T), this dp rank's rows
+    return own
+
+
 def _reference(cfg, inp):
-    mc = _cfg(cfg)
-    seed = int(inp["init_seed"][0])
     if cfg["kind"] == "block":
-        layer = init_weights(DecoderLayer(mc), seed)
+        layer = load_dense(_dense(cfg), inp)
         x = inp["x"].clone().requires_grad_(True)
         y = layer(x)
         y.backward(inp["dy"])
         out = {"y": y.detach(), "dx": x.grad}
         out.update({f"grad:{n}": p.grad for n, p in layer.named_parameters()})
         return out
-    model = init_weights(ForCausalLM(mc), seed)
+    model = load_dense(_dense(cfg), inp)
     if cfg["kind"] == "fsdp_tp":
         losses = []
         for _ in range(cfg["steps"]):
@@ -166,8 +214,7 @@ def _expected(cfg, ref, r, t):
 
 def _contract(cfg, t):
     mc = _cfg(cfg)
-    ref = DecoderLayer(mc) if cfg["kind"] == "block" else ForCausalLM(mc)
-    params = {n: _expected_shape(n, p.shape, t) for n, p in ref.named_parameters()}
+    params = {n: _expected_shape(n, p.shape, t) for n, p in _dense(cfg).named_parameters()}
     L = mc.num_hidden_layers
     if cfg["kind"] == "block":
         fwd = bwd = {"all_gather": 2, "reduce_scatter": 2}
@@ -220,8 +267,7 @@ NORM_HINT = ("A replicated norm weight sees only this rank's tokens under SP: wr
 def _hints(cfg):
     """Per-tensor hints: norms get the SP reduction hint, every sharded weight the slicing rule."""
     h = dict(HINTS)
-    mc = _cfg(cfg)
-    for n, _ in (DecoderLayer(mc) if cfg["kind"] == "block" else ForCausalLM(mc)).named_parameters():
+    for n, _ in _dense(cfg).named_parameters():
         d = _shard_dim(n)
         h[f"grad:{n}"] = (NORM_HINT if d is None else
                           f"Each rank's grad must be its Shard({d}) slice of the dense weight grad; a wrong value "
@@ -238,8 +284,9 @@ for name, cfg, seed in [
         ("padding_hidden", {"kind": "padding", "B": 1, "T": 9, "model": {"vocab_size": 32, "num_hidden_layers": 1}}, None)]:
     register(Case(name=f"week07/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_plan", expected=_expected, contract=_contract, seed=seed,
-                  hidden=seed is None, title={"block": "TP+SP block plan", "model": "full-model plan + loss parallel",
-                                              "padding": "SP padding"}[cfg["kind"]], hints=_hints(cfg)))
+                  hidden=seed is None, rank_inputs=_own, hints=_hints(cfg),
+                  title={"block": "TP+SP block plan", "model": "full-model plan + loss parallel",
+                         "padding": "SP padding"}[cfg["kind"]]))
 
 for name, cfg, seed in [
         ("fsdp_tp", {"kind": "fsdp_tp", "B": 2, "T": 8, "dp": 2, "steps": 2, "lr": 0.5, "model": {}}, 3),
@@ -247,5 +294,5 @@ for name, cfg, seed in [
                             "model": {"num_hidden_layers": 1}}, None)]:
     register(Case(name=f"week07/{name}", module=MODULE, world_sizes=(4,), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_fsdp_tp", expected=_expected, contract=_contract_2d,
-                  seed=seed, hidden=seed is None, title="FSDP2 x TP training steps (dp=2, tp=2)",
+                  seed=seed, hidden=seed is None, rank_inputs=_own, title="FSDP2 x TP training steps (dp=2, tp=2)",
                   hints=_hints(cfg)))

@@ -9,6 +9,11 @@ of (t-1)/t of the full weight per rank, and at most two full weights alive at on
 of that and moves only the waits: layer i's reduce-scatter is launched async after its dX and dW GEMMs and
 waited by layer i-1's backward after *its* GEMMs (GTP's one-step-deferred finalize), layer 0's by finalize_grads().
 
+What each rank receives (`_own`, Case.rank_inputs): its micro-batch of x and dY (rows r*N/t..), its rows of the
+pre-seeded grads (Task 3), and the dense weights from_dense is handed with every other rank's rows NaN: a full
+weight exists on a rank only as the result of its all-gather (fixture dense_weights_kept: a forward GEMM with the
+kept dense weight instead of the gathered one now gives NaN).
+
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  1. each rank stores 1/t of every weight, a block of output rows -> Contract.params `shards.i`, `dW{i}` rows
  2. start(i) gathers into one full buffer, rank r's rows in block r -> forward*, chain*: `y`
@@ -31,19 +36,25 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 11. the bytes each rank sends -> Contract.bytes_sent forward and backward
 Task 3 (cases overlap*, run_overlap: GTPChainOverlap, then finalize_grads() inside the backward phase; rules 1-11
 are checked there too, through the same fields):
-12. launch(i, dw_full) starts dist.reduce_scatter_tensor(..., async_op=True) into an (out_i/t, in_i) result and
-    keeps (result, dw_full, Work) pending; finalize(i) waits for that Work and adds the result to shards[i].grad
-    -> overlap*: `dW{i}`, counts backward {reduce_scatter: L}, bytes
-13. backward of layer i: dX, then dW, then launch RS(dW_i), then finalize(i+1): at every backward dX GEMM but the
-    first, exactly the later layer's reduce-scatter is launched and not yet waited -> `at each backward dX GEMM:
-    weight-grad reduce-scatters launched and not yet waited (1 = the later layer's)` = [0, 1, ..., 1] (a dispatch
-    mode sees each reduce-scatter's launch, and a wrapper of Work.wait sees its wait, matched by the Work's
-    identity; fixtures rs_waited_at_launch: all 0, rs_finalized_at_end: 0, 1, 2, 3)
+12. launch(i, dw_full) starts dist.reduce_scatter_single(..., async_op=True) (or its deprecated name
+    reduce_scatter_tensor: the same op) into an (out_i/t, in_i) result and keeps (result, dw_full, Work) pending;
+    finalize(i) waits for that Work and adds the result to shards[i].grad (or sets it when None) -> overlap*:
+    `dW{i}`, counts backward {reduce_scatter: L}, bytes; "adds": layers 0, 2, .. start with a known .grad
+    (inputs G{i}, added to the expected grads), the others with None (fixtures grad_assigned, grad_add_only;
+    new in issue 23)
+13. backward of layer i: dX, then dW, then launch RS(dW_i), then finalize(i+1): at every backward dX GEMM and
+    every dW GEMM but the first layer's, exactly the later layer's reduce-scatter is launched and not yet waited
+    -> `at each backward dX GEMM: ...` and `at each backward dW GEMM, last layer first: ...` = [0, 1, ..., 1] (a
+    dispatch mode sees each reduce-scatter's launch, and a wrapper of Work.wait sees its wait, matched by the
+    Work's identity; the dW GEMM is the one that reads all of the layer's input x_i, named at its forward GEMM,
+    or a view or copy of it, and makes the whole (out_i, in_i) grad; fixtures rs_waited_at_launch: all 0,
+    rs_finalized_at_end: 0, 1, 2, 3, finalize_before_dw: 1 at dX, 0 at dW (the dW count is new in issue 23);
+    independent_overlap: a correct Task 3 written differently, full marks)
 14. finalize_grads() waits for whatever is still pending (layer 0's): no reduce-scatter left unwaited -> `weight-grad
     reduce-scatters never waited` = 0 (and `dW0`)
 14 rules stated; 9 checked before this issue (4 and 7 were not), 11 checked after it; 14 with Task 3 (12-14 new).
-Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> ctx.hand on the
-dense weights handed to from_dense and the micro-batch (new).
+Course-wide rule, stated in the lab's introduction since issue 25: code may not write into the tensors it is given ->
+ctx.hand on the dense weights handed to from_dense and the micro-batch.
 """
 from __future__ import annotations
 
@@ -51,8 +62,8 @@ import math
 
 import torch
 
-from grader.case import Case, Contract, register
-from grader.rank.week08 import BWD_AHEAD, FWD_AHEAD, RS_INFLIGHT, RS_UNWAITED
+from grader.case import Case, Contract, poisoned, register, shard
+from grader.rank.week08 import BWD_AHEAD, FWD_AHEAD, RS_INFLIGHT, RS_INFLIGHT_DW, RS_UNWAITED
 
 MODULE = "gtp_linear"
 
@@ -62,7 +73,16 @@ def _inputs(cfg, gen):
     d = {"x": torch.randn(N, dims[0], generator=gen), "dy": torch.randn(N, dims[-1], generator=gen)}
     for i in range(len(dims) - 1):
         d[f"W{i}"] = torch.randn(dims[i + 1], dims[i], generator=gen) / math.sqrt(dims[i])
+    if cfg.get("overlap"):      # the grads layers 0, 2, .. hold before backward: finalize must add to them
+        for i in range(0, len(dims) - 1, 2):
+            d[f"G{i}"] = torch.randn(dims[i + 1], dims[i], generator=gen)
     return d
+
+
+def _own(cfg, d, r, t):
+    """Its micro-batch of x and dY, its rows of the pre-seeded grads, and the dense weights from_dense is handed with
+    the other ranks' rows NaN: a ZeRO-3 rank stores only its rows, and every other row must come by all-gather."""
+    return {k: poisoned(v, r, t, 0) if k.startswith("W") else shard(v, r, t, 0) for k, v in d.items()}   # x, dy, G*
 
 
 def _weights(cfg, inp):
@@ -80,25 +100,26 @@ def _reference(cfg, inp):
             h = torch.nn.functional.gelu(h)
     h.backward(inp["dy"])
     out = {"y": h.detach(), "dx": x.grad}
-    out.update({f"dW{i}": w.grad for i, w in enumerate(ws)})
+    out.update({f"dW{i}": w.grad + inp.get(f"G{i}", 0) for i, w in enumerate(ws)})   # plus any pre-seeded grad
     return out
 
 
 def _expected(cfg, ref, r, t):
     L = len(cfg["dims"]) - 1
     ahead = torch.tensor([1] * (L - 1) + [0], dtype=torch.int64)     # the next weight in flight; none after the last
-    out = {"y": ref["y"].chunk(t, 0)[r].contiguous(), "peak_gathered_weights": torch.tensor(2.0),
+    out = {"y": shard(ref["y"], r, t, 0), "peak_gathered_weights": torch.tensor(2.0),
            "full_weights_saved_for_backward": torch.tensor(0.0), FWD_AHEAD: ahead}
     if cfg.get("overlap"):   # listed before the grads: an unwaited reduce-scatter also garbles them
         # backward runs layers L-1..0: at layer L-1's dX GEMM nothing is launched yet; at layer i's, the
         # reduce-scatter of layer i+1 is in flight (finalised after this GEMM); all are waited in the end
         out[RS_INFLIGHT] = torch.tensor([0] + [1] * (L - 1), dtype=torch.int64)
+        out[RS_INFLIGHT_DW] = torch.tensor([0] + [1] * (L - 1), dtype=torch.int64)
         out[RS_UNWAITED] = torch.tensor(0.0)
     if cfg["backward"]:
         out[BWD_AHEAD] = ahead
-        out["dx"] = ref["dx"].chunk(t, 0)[r].contiguous()
+        out["dx"] = shard(ref["dx"], r, t, 0)
         for i in range(len(cfg["dims"]) - 1):
-            out[f"dW{i}"] = ref[f"dW{i}"].chunk(t, 0)[r].contiguous()   # this rank's rows of the summed grad
+            out[f"dW{i}"] = shard(ref[f"dW{i}"], r, t, 0)   # this rank's rows of the summed grad
     return out
 
 
@@ -148,12 +169,22 @@ HINTS[RS_INFLIGHT] = ("In backward, launch the reduce-scatter of dW_i asynchrono
                       "layer, then 1 (the later layer's reduce-scatter runs under this GEMM). 0 everywhere means "
                       "each reduce-scatter is waited at once (nothing overlaps); 2 or more means waits are put off "
                       "further (every full-size weight grad stays alive). Use work.wait() on the Work that "
-                      "dist.reduce_scatter_tensor(..., async_op=True) returns.")
+                      "dist.reduce_scatter_single(..., async_op=True) returns.")
 HINTS[RS_UNWAITED] = ("Every weight-grad reduce-scatter must be waited (work.wait()) before its result is read: "
                       "layer i-1's backward waits for layer i's, finalize_grads() for whatever is still pending.")
+HINTS[RS_INFLIGHT_DW] = ("The stated order puts the later layer's reduce-scatter under this layer's dW GEMM as well: "
+                         "dX, dW, launch(i), then finalize(i+1). 0 where 1 is expected means finalize(i+1) ran before "
+                         "the dW GEMM; -1 means no dW GEMM was seen: the checker recognises it as the GEMM that reads "
+                         "all of the layer's saved input x (or a view or copy of it) and makes the whole (out_i, in_i) "
+                         "grad, as dY^T X does.")
+OVERLAP_HINTS = dict(HINTS)
 for _i in range(8):
     HINTS[f"dW{_i}"] = ("Each rank's grad shard is its rows of the dense grad summed over all ranks' micro-batches: "
                         "reduce-scatter the full dY^T X (op SUM), do not keep only the local product.")
+    OVERLAP_HINTS[f"dW{_i}"] = HINTS[f"dW{_i}"] + (
+        " finalize(i) ADDS the result to shards[i].grad (or sets it when it is None): the checker starts layers "
+        "0, 2, .. with a known .grad, as a step that accumulates grads over micro-batches would; assigning "
+        "p.grad = result throws it away.")
 
 for name, cfg, seed in [
         ("forward", {"dims": [16, 32, 24, 32, 16], "N": 8, "backward": False}, 0),
@@ -162,6 +193,7 @@ for name, cfg, seed in [
         ("chain_hidden", {"dims": [8, 16, 12, 24, 8, 12], "N": 12, "backward": True}, None)]:
     register(Case(name=f"week08/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_chain", expected=_expected, contract=_contract, seed=seed,
+                  rank_inputs=_own,
                   hidden=seed is None, title="GTP chain " + ("forward" if not cfg["backward"] else "forward + backward"),
                   hints=HINTS))
 for name, cfg, seed in [
@@ -169,5 +201,6 @@ for name, cfg, seed in [
         ("overlap_hidden", {"dims": [8, 16, 12, 24, 8, 12], "N": 12, "backward": True, "overlap": True}, None)]:
     register(Case(name=f"week08/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_overlap", expected=_expected, contract=_contract, seed=seed,
+                  rank_inputs=_own,
                   hidden=seed is None, title="GTP chain, weight-grad reduce-scatter finalised one layer later",
-                  hints=HINTS))
+                  hints=OVERLAP_HINTS))

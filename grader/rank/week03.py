@@ -1,9 +1,10 @@
-"""Week 3 on a rank: rebuild the dense tpkit.models Attention (or DecoderLayer) from the case's weights,
-shard it with the student's TPAttention.from_dense (or TPDecoderLayer.from_dense) on the case's group,
-run forward and backward on the full, replicated input and return the output, the input grad and this
-rank's weight grads (their shard of each sharded weight, the whole grad of each replicated norm). Every
-tensor handed to the student's code (the dense module's parameters, the input) goes
-through ctx.hand: the rank entry fails the item if the code wrote into one of them."""
+"""Week 3 on a rank: rebuild the dense tpkit.models Attention (or DecoderLayer) from the weights this rank
+is handed (only its own parts; the rest NaN: grader/cases/week03.py `_own`), shard it with the student's
+TPAttention.from_dense (or TPDecoderLayer.from_dense) on the case's group, run forward and backward on the
+full, replicated input and return the output, the input grad and this rank's weight grads (their shard of
+each sharded weight, the whole grad of each replicated norm). Every tensor handed to the student's code
+(the dense module's parameters, the input) goes through ctx.hand: the rank entry fails the item if the code
+wrote into one of them."""
 from __future__ import annotations
 
 import torch

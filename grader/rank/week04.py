@@ -1,29 +1,13 @@
-"""Week 4 on a rank: build the student's VocabParallelEmbedding from the dense table and look up the full
-(B, T) ids, or hand vocab_parallel_cross_entropy this rank's padded slice of the logits (padded columns
-filled with PAD_LOGIT, as a padded lm_head could produce); run backward and return the output (or loss)
-with this rank's weight (or logit) grad, the embedding's weight shard itself (its rows past V must be
+"""Week 4 on a rank: build the student's VocabParallelEmbedding from the dense table (only this rank's rows;
+the rest NaN) and look up the full (B, T) ids, or hand vocab_parallel_cross_entropy this rank's padded slice
+of the logits (padded columns filled with a large value, as a padded lm_head could produce); `inp` is already
+this rank's own (grader/cases/week04.py `_own_rows`, `_own_logits`). Run backward and return the output (or
+loss) with this rank's weight (or logit) grad, the embedding's weight shard itself (its rows past V must be
 zeros), and how many of the cross-entropy's forward all-reduces used ReduceOp.MAX (a dispatch mode reads
-each all-reduce's op). Every tensor handed to the student goes through ctx.hand. The padding rule lives
-here, and the trusted side imports it."""
+each all-reduce's op). Every tensor handed to the student goes through ctx.hand."""
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
-
-PAD_LOGIT = 30.0   # what a padded lm_head row might produce: must never win
-
-
-def padded_rows(vocab: int, t: int) -> int:
-    return math.ceil(vocab / t)
-
-
-def pad_shard(x: torch.Tensor, vocab: int, r: int, t: int, dim: int, value: float = 0.0) -> torch.Tensor:
-    """Rank r's slice of x padded along `dim` from V to t ceil(V/t) entries."""
-    per = padded_rows(vocab, t)
-    pad = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, t * per - vocab]
-    return F.pad(x, pad, value=value).narrow(dim, r * per, per).contiguous()
 
 
 def upstream(cfg) -> float:
@@ -77,15 +61,14 @@ def _max_reduces(ledger):
 
 
 def run_cross_entropy(mod, cfg, inp, ctx):
-    r, t, V = ctx.rank, ctx.world_size, cfg["vocab"]
-    local = pad_shard(inp["logits"], V, r, t, -1, value=PAD_LOGIT).requires_grad_(True)  # (B, T, ceil(V/t))
+    local = inp["logits"].requires_grad_(True)                             # (B, T, ceil(V/t)): its own slice
     ops = _max_reduces(ctx.ledger)
     ctx.phase("forward")
     with ops:
         loss = mod.vocab_parallel_cross_entropy(ctx.hand("local_logits", local),
                                                 ctx.hand("targets", inp["targets"].clone()), group=ctx.group,
                                                 ignore_index=cfg["ignore_index"], label_smoothing=cfg["smoothing"],
-                                                vocab_size=V)
+                                                vocab_size=cfg["vocab"])
         ctx.phase("backward")
         loss.backward(torch.tensor(upstream(cfg)))
     return {"loss": loss, "dlogits": local.grad, MAX_REDUCES: torch.tensor([ops.max])}

@@ -1,16 +1,22 @@
 """Week 5 on a rank: call the student's GatherFromSequence / ReduceScatterToSequence on this rank's sequence
-block (and the per-rank summands) forward and backward; or build the dense DecoderLayer from the case's
-weight seed, shard it with SPDecoderLayer.from_dense, feed it this rank's block of positions (cut by the
-student's pad_and_split when T is not divisible by t) and return the output block, its input grad, this
-rank's weight-grad shards and the replicated norm-weight grads; or shard a dense ForCausalLM with
-SPCausalLM.from_dense, give it the whole (B, T) ids and return its logit columns and every parameter's
-grad. Every tensor handed to the student's code (inputs, the dense parameters) goes through ctx.hand:
-the rank entry fails the item if the code wrote into one of them. The dense layer and model, the shard
-rule and the pad rule live here, and the trusted side imports them."""
+block (and its own summands) forward and backward; or rebuild the dense DecoderLayer it is handed, shard it with
+SPDecoderLayer.from_dense, feed it this rank's block of positions (cut by the student's pad_and_split when T is
+not divisible by t) and return the output block, its input grad, this rank's weight-grad shards and the
+replicated norm-weight grads; or rebuild the dense ForCausalLM it is handed, shard it with SPCausalLM.from_dense,
+give it the whole (B, T) ids and return its logit columns and every parameter's grad.
+`inp` is this rank's own (grader/cases/week05.py `_own_*`): its sequence blocks of x and dY, and the dense
+module's parameters with the other ranks' blocks NaN (the norm weights whole: they are replicated); so nothing
+here shards or pads.
+Every tensor handed to the student's code (inputs, the dense parameters) goes through ctx.hand:
+the rank entry fails the item if the code wrote into one of them; and from_dense must leave the dense
+module itself as it was (its submodules, parameters, buffers and hooks; no .grad after backward), as the
+lab's demo cells use it after from_dense. The module configs and the names of the sharded parameters live
+here, and the trusted side imports them."""
 from __future__ import annotations
 
 import torch
 
+from grader.rank.context import GradingError
 from tpkit.models import DecoderLayer, ForCausalLM, ModelConfig, init_weights
 
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -18,10 +24,9 @@ ROW = ("self_attn.o_proj", "mlp.down_proj")
 NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-def dense_layer(cfg, inp):
-    mc = ModelConfig(hidden_size=cfg["C"], intermediate_size=cfg["F"], num_attention_heads=cfg["nh"],
-                     num_key_value_heads=cfg["nkv"])
-    return init_weights(DecoderLayer(mc), int(inp["wseed"][0]))
+def layer_config(cfg):
+    return ModelConfig(hidden_size=cfg["C"], intermediate_size=cfg["F"], num_attention_heads=cfg["nh"],
+                       num_key_value_heads=cfg["nkv"])
 
 
 def lm_config(cfg):
@@ -29,55 +34,90 @@ def lm_config(cfg):
                        num_hidden_layers=cfg["L"], num_attention_heads=cfg["nh"], num_key_value_heads=cfg["nkv"])
 
 
-def dense_lm(cfg, inp):
-    return init_weights(ForCausalLM(lm_config(cfg)), int(inp["wseed"][0]))
+def handed(module: torch.nn.Module, inp) -> torch.nn.Module:
+    """`module` holding the dense parameters this rank is handed (`dense.<name>`: its blocks, the rest NaN)."""
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            p.copy_(inp[f"dense.{n}"])
+    return module
 
 
-def lm_shard_dim(name: str):
-    """The dim along which rank r keeps 1/t of the dense parameter `name` (None: replicated)."""
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")) or any(f"{c}.weight" in name for c in COLUMN):
-        return 0                       # vocab rows; column-parallel output features
-    if any(f"{c}.weight" in name for c in ROW):
-        return 1                       # row-parallel input features
-    return None                        # norm weights
+def _hooks(obj) -> int:
+    return sum(len(getattr(obj, h, None) or {}) for h in ("_backward_hooks", "_post_accumulate_grad_hooks",
+                                                           "_forward_hooks", "_forward_pre_hooks",
+                                                           "_backward_pre_hooks"))
 
 
-def pad_seq(x, t):
-    """Zero-pad dim 1 (T) at the end to a multiple of t."""
-    return torch.nn.functional.pad(x, (0, 0, 0, -x.shape[1] % t))
+def snapshot(module: torch.nn.Module) -> dict:
+    """What from_dense may not change in the module it is given: each submodule's name, type and hooks, each
+    parameter's and buffer's name, identity, shape and hooks."""
+    return {"modules": {n: (type(m).__name__, _hooks(m)) for n, m in module.named_modules()},
+            "tensors": {n: (t, tuple(t.shape), _hooks(t))
+                        for n, t in [*module.named_parameters(), *module.named_buffers()]}}
+
+
+def check_untouched(module: torch.nn.Module, before: dict, name: str, after_backward: bool = False):
+    """GradingError naming what from_dense (or the model it built) changed in the caller's `module`."""
+    now = snapshot(module)
+    what = []
+    for n in sorted(set(before["modules"]) | set(now["modules"]), key=lambda n: (len(n), n)):
+        was, got = before["modules"].get(n), now["modules"].get(n)
+        if was is None or got is None or was[0] != got[0]:
+            what.append(f"`{n or name}` " + ("is new" if was is None else "is gone" if got is None else
+                                             f"is now a {got[0]} (was a {was[0]})"))
+        elif got[1] != was[1]:
+            what.append(f"`{n or name}` has a hook it did not have")
+    for n, (t, shape, hooks) in before["tensors"].items():
+        got = now["tensors"].get(n)
+        if got is None:
+            what.append(f"`{n}` is gone")
+        elif got[0] is not t or got[1] != shape:
+            what.append(f"`{n}` is now {got[1]} (was {shape})" if got[1] != shape else f"`{n}` was replaced")
+        elif got[2] != hooks:
+            what.append(f"`{n}` has a hook it did not have")
+        elif after_backward and getattr(t, "grad", None) is not None:
+            what.append(f"`{n}` has a .grad: your model's backward reached the caller's parameter")
+    what += [f"`{n}` is new" for n in now["tensors"] if n not in before["tensors"]]
+    if what:
+        shown = "; ".join(what[:4]) + (f" (and {len(what) - 4} more)" if len(what) > 4 else "")
+        raise GradingError(f"from_dense changed the {name} it was given: {shown}. It must leave that module as it "
+                           "was (the caller still uses it, as the lab's demo cell does): copy what you keep "
+                           "(copy.deepcopy, or clone each tensor), shard and hook your copy, never the original.")
 
 
 def run_sequence_ops(mod, cfg, inp, ctx):
-    r = ctx.rank
-    x = ctx.hand("x (GatherFromSequence)", ctx.shard(inp["x"], 1).clone()).requires_grad_(True)
-    xr = ctx.hand("x (ReduceScatterToSequence)", inp["xs"][r].clone()).requires_grad_(True)
+    x = ctx.hand("x (GatherFromSequence)", inp["x"].clone()).requires_grad_(True)        # (B, T/t, C)
+    xr = ctx.hand("x (ReduceScatterToSequence)", inp["xs"].clone()).requires_grad_(True)  # (B, T, C) summand
     ctx.phase("forward")
     y_gather = mod.GatherFromSequence.apply(x, ctx.group)
     y_rs = mod.ReduceScatterToSequence.apply(xr, ctx.group)
     ctx.phase("backward")
-    y_gather.backward(inp["dys"][r])
-    y_rs.backward(ctx.shard(inp["dy"], 1))
+    y_gather.backward(inp["dys"])          # this rank's summand of dY (B, T, C)
+    y_rs.backward(inp["dy"])               # its block of dY (B, T/t, C)
     return {"y_gather": y_gather, "dx_gather": x.grad, "y_reduce_scatter": y_rs, "dx_reduce_scatter": xr.grad}
 
 
 def run_block(mod, cfg, inp, ctx):
-    dense = dense_layer(cfg, inp)
+    dense = handed(DecoderLayer(layer_config(cfg)), inp)
     for n, p in dense.named_parameters():     # from_dense may read the dense layer, never write into it
         ctx.hand(f"dense.{n}", p)
+    before = snapshot(dense)
     layer = mod.SPDecoderLayer.from_dense(dense, group=ctx.group)
+    check_untouched(dense, before, "DecoderLayer")
     ctx.record_params(layer)
     out = {}
     if cfg.get("uneven"):
-        x_block = mod.pad_and_split(ctx.hand("x (pad_and_split)", inp["x"]), ctx.group)
+        x_block = mod.pad_and_split(ctx.hand("x (pad_and_split)", inp["x"]), ctx.group)   # x: its real positions
         out["x_block"] = x_block
-        dy = ctx.shard(pad_seq(inp["dy"], ctx.world_size), 1)
     else:
-        x_block, dy = ctx.shard(inp["x"], 1), ctx.shard(inp["dy"], 1)
+        x_block = inp["x"]
+    dy = inp["dy"]                            # its block of the (padded) dY
     x = ctx.hand("x", x_block.detach().clone()).requires_grad_(True)
     ctx.phase("forward")
     y = layer(x)
     ctx.phase("backward")
     y.backward(dy)
+    check_untouched(dense, before, "DecoderLayer", after_backward=True)
     params = dict(layer.named_parameters())
     out.update({"y": y, "dx": x.grad})
     for name in COLUMN + ROW + NORMS:
@@ -109,17 +149,20 @@ def run_divisibility(mod, cfg, inp, ctx):
 def run_model(mod, cfg, inp, ctx):
     """SPCausalLM.from_dense on the dense ForCausalLM, the whole (B, T) ids on every rank, this rank's
     logit columns back; backward from this rank's columns of a random dlogits (what a vocab-parallel
-    cross-entropy hands back)."""
-    dense = dense_lm(cfg, inp)
+    cross-entropy hands back, and all the rank receives of it)."""
+    dense = handed(ForCausalLM(lm_config(cfg)), inp)
     for n, p in dense.named_parameters():
         ctx.hand(f"dense.{n}", p)
+    before = snapshot(dense)
     model = mod.SPCausalLM.from_dense(dense, group=ctx.group)
+    check_untouched(dense, before, "ForCausalLM")
     ctx.record_params(model)
     ids = ctx.hand("input_ids", inp["ids"].clone())
     ctx.phase("forward")
     logits = model(ids)
     ctx.phase("backward")
-    ctx.backward(logits, ctx.shard(inp["dy"], -1), "logits")
+    ctx.backward(logits, inp["dy"], "logits")
+    check_untouched(dense, before, "ForCausalLM", after_backward=True)
     params = dict(model.named_parameters())
     out = {"logits": logits}
     for n, _ in dense.named_parameters():

@@ -1,17 +1,19 @@
-"""Week 7 on a rank: build the dense course model (a DecoderLayer, or the whole ForCausalLM) from the case's
-seed, apply the student's block_plan / model_plan with parallelize_module on a 1-D "tp" mesh over the
-case's group, check that every linear got sharded, run forward + backward (loss parallel for the full
-model, after the student's pad_for_sp in the padding cases) with the DTensor collectives on the ledger,
-and return this rank's output, loss or logits slice and every parameter's local grad. For fsdp_tp: a
-(dp, tp) mesh, the TP plan then the student's apply_fsdp, a few SGD steps, and the losses and a few final
-full weights, and how many fully_shard units sit on the decoder layers, on the root and elsewhere."""
+"""Week 7 on a rank: build the dense course model (a DecoderLayer, or the whole ForCausalLM) from the weights
+this rank is handed (only its own part of each; the rest NaN: grader/cases/week07.py `_own`), apply the
+student's block_plan / model_plan with parallelize_module(..., src_data_rank=None) (each rank splits its own
+copy; the default would scatter rank 0's) on a 1-D "tp" mesh over the case's group, check that every linear
+got sharded, run forward + backward (loss parallel for the full model, after the student's pad_for_sp in the
+padding cases) with the DTensor collectives on the ledger, and return this rank's output, loss or logits
+slice and every parameter's local grad. For fsdp_tp: a (dp, tp) mesh, the TP plan then the student's
+apply_fsdp, a few SGD steps on this rank's micro-batch, and the losses and a few final full weights, and how
+many fully_shard units sit on the decoder layers, on the root and elsewhere."""
 from __future__ import annotations
 
 import os
 
 import torch
 
-from tpkit.models import DecoderLayer, ForCausalLM, init_weights, week07_config
+from tpkit.models import DecoderLayer, ForCausalLM, week07_config
 
 
 def _warm_imports():
@@ -47,13 +49,21 @@ def _cfg(cfg):
     return week07_config(**cfg["model"])
 
 
+def load_dense(model: torch.nn.Module, inp: dict) -> torch.nn.Module:
+    """`model` holding the weights `w.<name>` of `inp` (on a rank: its own parts, the rest NaN)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(inp[f"w.{n}"])
+    return model
+
+
 def _apply_plans(mod, model, mesh, whole_model: bool):
     from torch.distributed.tensor.parallel import parallelize_module
     layers = model.model.layers if whole_model else [model]
     for layer in layers:
-        parallelize_module(layer, mesh, mod.block_plan())
+        parallelize_module(layer, mesh, mod.block_plan(), src_data_rank=None)
     if whole_model:
-        parallelize_module(model, mesh, mod.model_plan())
+        parallelize_module(model, mesh, mod.model_plan(), src_data_rank=None)
 
 
 def _record(ctx, model):
@@ -101,10 +111,9 @@ def run_plan(mod, cfg, inp, ctx):
     from tpkit.dtensor import local_grad, tp_mesh_for
 
     mc = _cfg(cfg)
-    seed = int(inp["init_seed"][0])
     mesh = tp_mesh_for(ctx.group, ctx.device.type)
     block = cfg["kind"] == "block"
-    model = init_weights(DecoderLayer(mc) if block else ForCausalLM(mc), seed).to(ctx.device)
+    model = load_dense(DecoderLayer(mc) if block else ForCausalLM(mc), inp).to(ctx.device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")            # a misspelled key only warns: the shape check names it
         _apply_plans(mod, model, mesh, whole_model=not block)
@@ -113,12 +122,12 @@ def run_plan(mod, cfg, inp, ctx):
     out = {}
     try:
         if block:
-            x = ctx.hand("x", ctx.shard(inp["x"], 1)).requires_grad_(True)   # (B, T/t, C): SP input
+            x = ctx.hand("x", inp["x"].clone()).requires_grad_(True)   # (B, T/t, C): its SP shard
             ctx.phase("forward")
             y = model(x)
             y = y.to_local() if isinstance(y, DTensor) else y           # (B, T/t, C)
             ctx.phase("backward")
-            y.backward(ctx.shard(inp["dy"], 1))
+            y.backward(inp["dy"])
             out = {"y": y, "dx": x.grad}
         else:
             ids, labels = ctx.hand("input_ids", inp["input_ids"]), ctx.hand("labels", inp["labels"])
@@ -155,7 +164,7 @@ def run_fsdp_tp(mod, cfg, inp, ctx):
     mc = _cfg(cfg)
     dp, tp = cfg["dp"], ctx.world_size // cfg["dp"]
     mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = init_weights(ForCausalLM(mc), int(inp["init_seed"][0])).to(ctx.device)
+    model = load_dense(ForCausalLM(mc), inp).to(ctx.device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _apply_plans(mod, model, mesh["tp"], whole_model=True)
@@ -166,8 +175,7 @@ def run_fsdp_tp(mod, cfg, inp, ctx):
     on_layers = sum(isinstance(layer, FSDPModule) for layer in model.model.layers)
     on_root = int(isinstance(model, FSDPModule))
     elsewhere = sum(isinstance(m, FSDPModule) for m in model.modules()) - on_layers - on_root
-    d = mesh["dp"].get_local_rank()
-    ids, labels = inp["input_ids"].chunk(dp)[d], inp["labels"].chunk(dp)[d]     # this dp rank's micro-batch
+    ids, labels = inp["input_ids"], inp["labels"]                       # this dp rank's micro-batch
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     losses = []
     for _ in range(cfg["steps"]):
