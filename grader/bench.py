@@ -4,7 +4,8 @@
 - one Week 2 check on 4 ranks three ways: cold (torchrun: a fresh interpreter per rank), fork (as
   grading runs: torch imported once per job, ranks forked, sandboxed) and warm (as a notebook's `check()`
   runs: a resident process forks each job);
-- a correct and a deadlocking Week 2 submission through the trusted checks (the deadlock's own seconds);
+- a correct and a deadlocking submission through the trusted checks (the deadlock's own seconds): Week 2, and
+  Weeks 1, 6 and 7, whose ranks block where gloo cannot abort them (send/recv, DTensor's functional waits);
 - `python -m grader check` on every lab's solution (notebook run + trusted checks), as a student runs it, and
   how busy the machine's cores were meanwhile (near 100%: CPU-bound, only less work makes it faster);
 - class-scale autograde: N submissions of the `make demo` mix (solutions, stubs, broken, a deadlock),
@@ -59,15 +60,31 @@ def time_check(launcher: str, repeats: int, sandbox: str = "off") -> list[float]
 def time_submission(kind: str, repeats: int) -> list[float]:
     """The whole trusted grading of one Week 2 submission (every grade cell's checks, sandboxed)."""
     from grader.demo import submission
+    return _time_trusted(lambda: submission(kind), repeats)
+
+
+def time_fixture(week: str, name: str, repeats: int) -> list[float]:
+    """The same for a submission of the corpus (tests/fixtures/weekNN), e.g. a deadlocking one."""
+    from grader.corpus import build, load_manifest
+    spec = {"base": "solution"} if name == "solution" else load_manifest(week)["submissions"][name]
+    return _time_trusted(lambda: build(week, spec), repeats)
+
+
+def _time_trusted(make_notebook, repeats: int) -> list[float]:
     from grader.notebook import run_trusted
     out = []
     for _ in range(repeats):
-        nb = submission(kind)
+        nb = make_notebook()
         t0 = time.monotonic()
         _, report = run_trusted(nb)
         out.append(time.monotonic() - t0)
         assert not isinstance(report, Exception), report
     return out
+
+
+# a deadlocking submission per week where the ranks can block where gloo cannot abort them
+DEADLOCKS = [("week01", "deadlock_send_first"), ("week06", "deadlock_blocking_ring"),
+             ("week07", "deadlock_barrier_on_one_rank")]
 
 
 def busy_cpu_seconds() -> float:
@@ -129,6 +146,10 @@ def main(n: int = 20, jobs: int = 2, repeats: int = 3) -> int:
     dead = time_submission("deadlock_skip", repeats)
     print(f"trusted grading of a Week 2 submission: correct {_runs(ok)}; deadlocking {_runs(dead)}; "
           f"the deadlock costs {statistics.median(dead) - statistics.median(ok):+.1f} s", flush=True)
+    for week, name in DEADLOCKS:
+        ok, dead = time_fixture(week, "solution", repeats), time_fixture(week, name, repeats)
+        print(f"trusted grading of a {week} submission: correct {_runs(ok)}; deadlocking ({name}) {_runs(dead)}; "
+              f"the deadlock costs {statistics.median(dead) - statistics.median(ok):+.1f} s", flush=True)
     base = statistics.median(torch_s)
     for path in sorted(glob.glob(os.path.join(ROOT, "solutions", "week*", "*.ipynb"))):
         runs = [time_cli(path) for _ in range(repeats)]

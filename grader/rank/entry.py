@@ -217,7 +217,6 @@ class RankJob:
             sys.stderr.flush()
             os._exit(DEADLOCKED)
         self.watch.give_up = give_up
-        ledger.waiter = self.watch.wait_functional
         signal.signal(signal.SIGALRM, too_slow)
         signal.alarm(item.timeout)
 

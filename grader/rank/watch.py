@@ -8,8 +8,8 @@ has finished the item, and they are not all waiting on the same collective, no w
 complete: that is a deadlock, and after the picture has held still for `STABLE_S` the first rank to see
 it raises `Deadlock`, which names who waits where, and publishes it: the group's other waiting ranks
 give up at once with the same picture. gloo completes a send/recv or a reduce-scatter only inside
-`wait()`, and a functional collective (DTensor's) is waited in C++ (`_c10d_functional.wait_tensor`, which the
-ledger hands to `wait_functional`), so a rank blocked in one cannot poll: a thread watches for it, and once it
+`wait()`, and a functional collective (DTensor's) is waited through `_functional_collectives.wait_tensor`
+(which the watch also replaces), so a rank blocked in one cannot poll: a thread watches for it, and once it
 sees the deadlock the rank cannot be unblocked from Python (gloo's wait ends only when a peer process goes or
 the process-group timeout fires), so the thread hands the verdict to `give_up` (the rank entry records it as
 the item's result and leaves; the grader runs the remaining checks in fresh ranks). The process-group timeout
@@ -22,6 +22,7 @@ import threading
 import time
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
 from tpkit.progress import ProgressFile, read_progress
 
@@ -67,6 +68,12 @@ class Watch:
             return watch._wait(w)
 
         work.wait = wait
+        # DTensor's collectives are functional: their AsyncCollectiveTensor waits through this module function
+        self._orig_wait_tensor = funcol.wait_tensor
+
+        def wait_tensor(tensor):
+            return watch.wait_functional(lambda: watch._orig_wait_tensor(tensor))
+        funcol.wait_tensor = wait_tensor
 
     def progress_path(self, job_rank: int) -> str:
         return os.path.join(self.outdir, f"rank{job_rank}.progress")
@@ -97,7 +104,8 @@ class Watch:
         self.waiting_on = f"{op} #{index} ({getattr(self.ledger, 'phase', '?')})"
 
     def wait_functional(self, wait):
-        """A functional collective's wait (`wait()` runs `_c10d_functional.wait_tensor`): blocking, watched."""
+        """A functional collective's wait (`wait()` runs `_c10d_functional.wait_tensor`, which blocks in C++):
+        watched by a thread, as a blocking wait is."""
         if self.item is None:
             return wait()
         self._announce(None)
