@@ -1,8 +1,8 @@
 """nbgrader for this course: solutions/ is the source, labs/ the release, grading is trusted."""
 import os
 
-from grader.timeouts import EXECUTE_TIMEOUT, PG_TIMEOUT, job_wall_clock
-from grader.nbgrader_plugin import DeferredExecute, TrustedChecks
+from grader.judge.timeouts import EXECUTE_TIMEOUT, PG_TIMEOUT, job_wall_clock
+from grader.autograde.plugin import DeferredExecute, TrustedChecks
 from nbconvert.preprocessors import ClearMetadataPreprocessor
 from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, IgnorePattern, LimitOutput,
                                     SaveAutoGrades)

@@ -12,7 +12,7 @@ sys.modules.setdefault("rfc3987_syntax", None)
 
 
 def cmd_check(a) -> int:
-    from grader.cli_check import check_notebook
+    from grader.tools.cli_check import check_notebook
     code = check_notebook(a.notebook, backend=a.backend, execute=not a.no_execute, out=a.output)
     # everything is written and cleaned up: skip the interpreter's teardown of torch (~0.5 s of a check)
     sys.stdout.flush()
@@ -21,25 +21,25 @@ def cmd_check(a) -> int:
 
 
 def cmd_demo(a) -> int:
-    from grader.demo import main
+    from grader.tools.demo import main
     return main(keep=a.keep)
 
 
 def cmd_release(a) -> int:
-    from grader.nbgrader_tools import release
+    from grader.autograde.nbgrader_tools import release
     for path in release(a.weeks or None):
         print("wrote", os.path.relpath(path))
     return 0
 
 
 def cmd_execute(a) -> int:
-    from grader.lectures import execute_lectures
+    from grader.tools.lectures import execute_lectures
     return execute_lectures(a.notebooks or None)
 
 
 def cmd_autograde(a) -> int:
     import time
-    from grader.class_autograde import autograde_class, slice_of, students_with_submissions, summary
+    from grader.autograde.class_autograde import autograde_class, slice_of, students_with_submissions, summary
     course = os.path.abspath(a.course)
     students = students_with_submissions(course, a.week)
     if a.slice:
@@ -58,19 +58,19 @@ def cmd_autograde(a) -> int:
 
 
 def cmd_merge(a) -> int:
-    from grader.gradebooks import merge
+    from grader.autograde.gradebooks import merge
     n = merge(a.target, a.slices)
     print(f"merged {n} submissions from {len(a.slices)} gradebooks into {a.target}")
     return 0
 
 
 def cmd_bench(a) -> int:
-    from grader.bench import main
+    from grader.tools.bench import main
     return main(n=a.n, jobs=a.jobs, repeats=a.repeats)
 
 
 def cmd_gpu_check(a) -> int:
-    from grader.gpu_check import main
+    from grader.tools.gpu_check import main
     return main()
 
 

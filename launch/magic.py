@@ -69,7 +69,7 @@ def run_cell(line: str, cell: str, print_fn=print, show_trace=None):
     """Run `cell` on the ranks; with --trace PATH, merge their traces into PATH and call show_trace(PATH)."""
     from launch import run
     a = parse_args(line)
-    if os.environ.get("COURSE_GRADING") == "1":   # grader.kernel_box: demos are not run while grading
+    if os.environ.get("COURSE_GRADING") == "1":   # grader/box/kernel_box.py: demos are not run while grading
         print_fn(f"(%%torchrun -n {a.nproc}: not run while the notebook is being graded)")
         return None
     trace_dir = tempfile.mkdtemp(prefix="torchrun-trace-") if a.trace else None

@@ -8,8 +8,9 @@ import sqlite3
 
 import pytest
 
-from grader.nbgrader_tools import ROOT, autograde, nbgrader, scratch_course, weeks
-from grader.corpus import FIXTURES, SECRET, build, load_manifest, plant_secret
+from grader.autograde.class_autograde import autograde
+from grader.autograde.nbgrader_tools import ROOT, nbgrader, scratch_course, weeks
+from grader.tools.corpus import FIXTURES, SECRET, build, load_manifest, plant_secret
 
 WEEKS = weeks()
 
@@ -57,9 +58,9 @@ def test_a_class_graded_in_slices_merges_into_one_gradebook(course):
     """Two slices graded into their own gradebooks (as two SLURM array tasks would), then merged with
     nbgrader's API into the course's gradebook: every grade lands once, nothing is lost."""
     import json
-    from grader.class_autograde import autograde_class, slice_of
-    from grader.gradebooks import merge
-    from grader.nbgrader_tools import gradebook_rows
+    from grader.autograde.class_autograde import autograde_class, slice_of
+    from grader.autograde.gradebooks import merge
+    from grader.autograde.nbgrader_tools import gradebook_rows
     nbgrader(["generate_assignment", "week02", "--force"], course)
     subs = {"s0": build("week02", {"base": "solution"}), "s1": build("week02", {}),
             "s2": build("week02", {"base": "solution"})}

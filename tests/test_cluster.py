@@ -156,7 +156,7 @@ def sbatch(env: dict, cwd: str, *args: str, check: bool = True) -> list[str]:
 
 def rows(db: str) -> dict:
     """{student: (score, max_score, {grade cell: score})} of the week in a gradebook file or database URL."""
-    from grader.gradebooks import gradebook
+    from grader.autograde.gradebooks import gradebook
     with gradebook(db) as gb:
         return {s.student_id: (s.score, s.max_score, {g.name: g.score for nb in s.notebooks for g in nb.grades})
                 for s in gb.assignment_submissions(WEEK)}
@@ -166,9 +166,9 @@ def rows(db: str) -> dict:
 def course(tmp_path_factory):
     """A scratch class with its released week (gradebook.db: the assignment, no submissions), every submission
     under submitted/, and the grades one machine gives it (`reference.db`)."""
-    from grader.class_autograde import autograde_class
-    from grader.demo import submission
-    from grader.nbgrader_tools import course_api, scratch_course
+    from grader.autograde.class_autograde import autograde_class
+    from grader.tools.demo import submission
+    from grader.autograde.nbgrader_tools import course_api, scratch_course
     c = scratch_course([WEEK])
     assert course_api(c).generate_assignment(WEEK, force=True)["success"]
     for student, kind in CLASS.items():
@@ -228,7 +228,7 @@ def pg(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shared_course(course, pg):
     """The class again, its nbgrader_config.py's db_url on PostgreSQL, the week released into that gradebook."""
-    from grader.nbgrader_tools import course_api
+    from grader.autograde.nbgrader_tools import course_api
     c = course[0] + "-pg"
     shutil.copytree(course[0], c, ignore=shutil.ignore_patterns("*.db", "slices", "autograded"))
     os.makedirs(f"{c}/slices")          # the tasks' logs: SLURM opens them before the script runs
@@ -251,9 +251,9 @@ def test_array_job_writes_one_postgresql_gradebook(slurm, pg, course, shared_cou
 
 
 def test_a_student_held_by_another_worker_is_an_error_and_nothing_is_overwritten(pg, course, shared_course):
-    """This process holds ana as a grading worker does (grader.gradebooks.claim); a worker given ana stops with
+    """This process holds ana as a grading worker does (grader.autograde.gradebooks.claim); a worker given ana stops with
     an error naming the holder, and the gradebook is unchanged."""
-    from grader.gradebooks import claim
+    from grader.autograde.gradebooks import claim
     if "ana" not in rows(pg):
         pytest.skip("needs the PostgreSQL gradebook graded by test_array_job_writes_one_postgresql_gradebook")
     before = rows(pg)

@@ -238,7 +238,7 @@ def lab_server():
     """`jupyter lab` as `make lab` runs it, on a loopback port, in a temp copy of labs/week02."""
     _need_browser()
     import nbformat
-    from grader.corpus import build
+    from grader.tools.corpus import build
     work = tempfile.mkdtemp(prefix="e2e-lab-")
     for f in os.listdir(os.path.join(ROOT, "labs", "week02")):
         shutil.copy(os.path.join(ROOT, "labs", "week02", f), work)

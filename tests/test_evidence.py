@@ -7,9 +7,9 @@ import textwrap
 import pytest
 import torch
 
-from grader.attempt import RESULT_LIMIT, _load_rank_file
+from grader.judge.attempt import RESULT_LIMIT, _load_rank_file
 from grader.rank.exchange import records_from_saved
-from grader.corpus import solution_modules
+from grader.tools.corpus import solution_modules
 
 needs_box = pytest.mark.skipif(shutil.which("bwrap") is None or os.geteuid() != 0,
                                reason="needs bubblewrap and root (make test installs it; CI runs as root)")
@@ -34,7 +34,7 @@ PEEK = textwrap.dedent("""
 def test_a_rank_cannot_open_another_ranks_inputs():
     """The fork launcher opens rank r's input file for rank r before dropping to the box's uid: afterwards no
     rank, whatever it runs, can open any rank's file (its own comes as an open descriptor)."""
-    from grader.job import run_checks
+    from grader.judge.job import run_checks
     module = solution_modules("week02")["tp_linear.py"]
     rep = run_checks(["week02/column_parallel"], {"tp_linear.py": PEEK + module}, sandbox="on")
     assert rep.passed, rep.cases["week02/column_parallel"].message()
@@ -43,8 +43,8 @@ def test_a_rank_cannot_open_another_ranks_inputs():
 def test_week02_ranks_receive_only_their_blocks():
     """What a rank receives has every other rank's block of a dense weight poisoned (NaN) and its
     activations sharded as a real rank's are; the full tensors stay with the trusted process."""
-    from grader.job import plan_items, rank_views
-    from grader.case import get_case
+    from grader.judge.job import plan_items, rank_views
+    from grader.judge.case import get_case
     items = [it for it in plan_items(["week02/column_parallel_local", "week02/row_parallel_input_parallel"],
                                      fresh_seed=False) if it.t == 2]
     inputs = {it.id: get_case(it.case).make_inputs(it.config, torch.Generator().manual_seed(it.seed))
@@ -102,7 +102,7 @@ def test_good_results_pass_the_type_check():
 
 def test_no_bubblewrap_refuses_to_grade(monkeypatch):
     """Without bubblewrap grading refuses, naming the fix, unless GRADER_SANDBOX=off says so explicitly."""
-    from grader import sandbox
+    from grader.box import sandbox
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
     with pytest.raises(sandbox.SandboxUnavailable, match="GRADER_SANDBOX=off"):
         sandbox.Sandbox(mode="auto").__enter__()
@@ -124,7 +124,7 @@ SHADOW = textwrap.dedent("""
 def test_a_submission_cannot_shadow_the_standard_library():
     """An extra `%%writefile statistics.py` (or torch.py, tpkit.py) is never imported in place of the real
     one: the student's folder is last on sys.path and the graded module is imported by its path."""
-    from grader.job import run_checks
+    from grader.judge.job import run_checks
     module = solution_modules("week02")["tp_linear.py"]
     src = {"tp_linear.py": SHADOW + module, "statistics.py": "raise SystemExit('SHADOWED at import')\n",
            "tpkit.py": "raise SystemExit('SHADOWED tpkit')\n"}
@@ -136,7 +136,7 @@ def test_a_submission_cannot_shadow_the_standard_library():
 def test_a_job_is_bounded_in_memory_cpu_share_and_tmp():
     """Every job has its own pids, memory and cpu cgroups (a hog cannot starve the job graded beside it) and
     a size-capped /tmp; what could not be set up is said in the box's notes."""
-    from grader.sandbox import Limits, Sandbox
+    from grader.box.sandbox import Limits, Sandbox
     probe = ("import os; print(sorted(l.split(':')[1] for l in open('/proc/self/cgroup') if 'grader-' in l)); "
              "s = os.statvfs('/tmp'); print(s.f_blocks * s.f_frsize)")
     import subprocess
@@ -168,7 +168,7 @@ SWAP_SIMULATOR = textwrap.dedent("""
 def test_schedules_are_simulated_where_the_student_cannot_reach():
     """A schedule is plain data: the trusted process simulates it, so rewriting the rank's simulator (its
     __code__, the module, anything in the rank's process) changes nothing."""
-    from grader.job import run_checks
+    from grader.judge.job import run_checks
     rep = run_checks(["week09/schedule"], {"pipeline_lab.py": SWAP_SIMULATOR}, sandbox="off")
     msg = rep.cases["week09/schedule"].message()
     assert not rep.passed, msg

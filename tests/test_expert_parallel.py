@@ -57,7 +57,7 @@ def test_dense_moe_matches_a_loop_over_tokens():
 
 def test_graded_cases_drop_on_every_rank():
     """The lab's visible cases exercise the drop rule on every rank's tokens (hidden ones draw fresh seeds)."""
-    from grader.case import get_case
+    from grader.judge.case import get_case
     for name in ("week11/routing", "week11/ep_layer"):
         case = get_case(name)
         d = case.make_inputs(case.config, torch.Generator().manual_seed(case.seed))

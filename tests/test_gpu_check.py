@@ -9,7 +9,7 @@ import re
 import pytest
 
 import launch.backend
-from grader import gpu_check
+from grader.tools import gpu_check
 from launch import default_launcher, pick_backend, run
 
 
@@ -94,7 +94,7 @@ def test_labs_run_at_the_sizes_the_gpus_allow():
         else:
             assert two == tuple(t for t in sizes if t <= 2), week
     assert all(skip and skip.endswith("ranks (one GPU each); this node has 1") for *_, skip in gpu_check.plan(1))
-    from grader.case import get_case
+    from grader.judge.case import get_case
     before = get_case("week02/column_parallel").world_sizes
     with gpu_check.capped_sizes(2):
         assert max(get_case("week02/column_parallel").world_sizes) == 2

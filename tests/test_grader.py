@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from grader.case import Contract
-from grader.compare import check_contract, compare_tensor, describe_error, is_comm_error
+from grader.judge.case import Contract
+from grader.judge.compare import check_contract, compare_tensor, describe_error, is_comm_error
 from grader.rank.exchange import Item, RankRecord
-from grader.timeouts import EXECUTE_TIMEOUT, KILL_GRACE, PG_TIMEOUT, job_wall_clock
+from grader.judge.timeouts import EXECUTE_TIMEOUT, KILL_GRACE, PG_TIMEOUT, job_wall_clock
 from tpkit.ledger import CommLedger, ring_bytes_sent
-from grader.notebook import check_names, grade_cells, module_sources
+from grader.autograde.notebook import check_names, grade_cells, module_sources
 
 
 def test_ring_bytes_formulas():
@@ -131,14 +131,14 @@ def _run(exitcodes, order, timed_out=False, output=""):
 
 
 def test_rank_lists_are_said_once_and_in_good_grammar():
-    from grader.compare import rank_list
+    from grader.judge.compare import rank_list
     assert rank_list([1, 1]) == "rank 1"                   # not "rank 1, 1"
     assert rank_list([3, 1]) == "ranks 1 and 3"
     assert rank_list([0, 1, 2, 3]) == "ranks 0, 1, 2 and 3"
 
 
 def test_a_rank_that_lost_its_peers_is_not_blamed():
-    from grader.job import _missing_reason
+    from grader.judge.job import _missing_reason
     item = Item(id="week02/mlp@t4", case="week02/mlp", module="tp_linear", run_rank="run_mlp", t=4, seed=0,
                 config={}, timeout=15)
     run = _run({1: -11, 0: -15, 2: -15, 3: -15}, order=[1, 0, 2, 3])
@@ -152,7 +152,7 @@ def test_a_rank_that_lost_its_peers_is_not_blamed():
 
 
 def test_an_abort_inside_a_collective_names_the_size_mismatch():
-    from grader.job import _missing_reason
+    from grader.judge.job import _missing_reason
     item = Item(id="week04/embedding@t2", case="week04/embedding", module="vocab_parallel", run_rank="run_embedding",
                 t=2, seed=0, config={}, timeout=15)
     run = _run({0: -6, 1: -6}, order=[0, 1])
@@ -163,8 +163,8 @@ def test_an_abort_inside_a_collective_names_the_size_mismatch():
 
 
 def test_problems_merged_across_sizes_name_the_rank_at_each_size():
-    from grader.compare import ItemVerdict
-    from grader.job import CaseVerdict
+    from grader.judge.compare import ItemVerdict
+    from grader.judge.job import CaseVerdict
     nan = "`y` contains NaN (1 of 6 values, first at [0, 0])."
     items = [ItemVerdict("c@t2", "c", 2, False, [f"rank 1: {nan}"]),
              ItemVerdict("c@t4", "c", 4, False, [f"rank 3: {nan}"])]
@@ -207,9 +207,9 @@ def test_importing_course_code_is_named():
           '    from reference.tp_layers import ColumnParallelLinear\nModuleNotFoundError: No module named \'reference\'')
     msg = describe_error(tb, 0)
     assert "imports `reference.tp_layers`" in msg and "not there when grading" in msg
-    from tpkit.selfcheck import course_imports
-    assert course_imports("import torch\nfrom reference.tp_layers import X\nimport grader.job\n") == [
-        (2, "reference.tp_layers"), (3, "grader.job")]
+    from tpkit.course_imports import course_imports
+    assert course_imports("import torch\nfrom reference.tp_layers import X\nimport grader.judge.job\n") == [
+        (2, "reference.tp_layers"), (3, "grader.judge.job")]
     assert course_imports("from tpkit.models import DecoderLayer\n") == []
 
 

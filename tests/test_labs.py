@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from grader.notebook import run_trusted
+from grader.autograde.notebook import run_trusted
 from launch.runner import job_processes
-from grader.nbgrader_tools import ROOT, weeks
-from grader.corpus import FIXTURES, SECRET, build, expand, load_manifest, plant_secret
+from grader.autograde.nbgrader_tools import ROOT, weeks
+from grader.tools.corpus import FIXTURES, SECRET, build, expand, load_manifest, plant_secret
 
 WEEKS = weeks()
 FIXTURE_CASES = [(w, name) for w in WEEKS if os.path.exists(os.path.join(FIXTURES, w, "manifest.json"))
@@ -32,7 +32,7 @@ def verdicts(nb):
 
 def test_release_matches_solutions():
     """labs/ is exactly what nbgrader generate_assignment makes from solutions/."""
-    from grader.nbgrader_tools import release
+    from grader.autograde.nbgrader_tools import release
     tmp = tempfile.mkdtemp()
     try:
         release(WEEKS, dest=tmp)

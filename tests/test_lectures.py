@@ -7,8 +7,8 @@ import tempfile
 
 import pytest
 
-from grader.lectures import execute_lecture, lecture_paths, machine_traces
-from grader.nbgrader_tools import ROOT
+from grader.tools.lectures import execute_lecture, lecture_paths, machine_traces
+from grader.autograde.nbgrader_tools import ROOT
 
 LECTURES = lecture_paths()
 

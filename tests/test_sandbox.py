@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from grader.sandbox import ROOT, RANK_VIEW, Limits, Sandbox, give_to, python_paths
+from grader.box.sandbox import ROOT, RANK_VIEW, Limits, Sandbox, give_to, python_paths
 from launch import run
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -100,8 +100,8 @@ def test_rank_view_is_what_a_rank_needs():
         for dirpath, _, files in os.walk(os.path.join(ROOT, part)):
             for f in (x for x in files if x.endswith(".py") and x != "selfcheck.py"):
                 text = open(os.path.join(dirpath, f)).read()
-                for banned in ("from reference", "import reference", "grader.case ", "grader.cases", "grader.compare",
-                               "grader.job"):
+                for banned in ("from reference", "import reference", "grader.cases", "grader.judge", "grader.box",
+                               "grader.autograde", "grader.tools"):
                     assert banned not in text, f"{os.path.join(dirpath, f)} mentions {banned!r}"
 
 
@@ -172,9 +172,9 @@ def _marked_processes() -> list[int]:
 def test_a_job_sees_nothing_of_the_previous_one():
     """Two submissions graded one after the other by one grading process (as a class autograde worker does):
     files, environment and processes the first job leaves are gone, and the second job cannot see them."""
-    from grader.job import run_checks
+    from grader.judge.job import run_checks
     from launch.runner import job_processes
-    from grader.corpus import solution_modules
+    from grader.tools.corpus import solution_modules
     module = solution_modules("week02")["tp_linear.py"]
     first = run_checks(["week02/column_parallel"], {"tp_linear.py": LEAVE_BEHIND + module}, sandbox="on")
     assert first.passed, first.cases["week02/column_parallel"].message()
@@ -187,10 +187,10 @@ def test_a_job_sees_nothing_of_the_previous_one():
 def test_first_launch_held_while_the_grader_imports():
     """run_trusted's first launch is started (held) before the trusted process has torch, then released with
     the job; a held launch the job does not agree with is given up, leaving nothing behind."""
-    from grader.attempt import hold_first_attempt
-    from grader.job import run_checks
+    from grader.judge.attempt import hold_first_attempt
+    from grader.judge.job import run_checks
     from launch.runner import job_processes
-    from grader.corpus import solution_modules
+    from grader.tools.corpus import solution_modules
     src = solution_modules("week02")
     names = ["week02/column_parallel"]
     assert hold_first_attempt(["../etc/column_parallel"]) is None      # a name no week has: no launch

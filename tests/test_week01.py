@@ -2,7 +2,7 @@
 import torch
 
 from tpkit import plots
-from grader.case import get_case
+from grader.judge.case import get_case
 
 
 def test_ring_simulation_ends_reduced_on_the_diagonal():

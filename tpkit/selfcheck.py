@@ -1,19 +1,18 @@
 """`check("week02/column_parallel")` in a lab notebook: a self-check of your modules on N ranks.
 
 It runs in your kernel for fast feedback and grades nothing. Grades come from the trusted path
-(`nbgrader autograde` with `grader.nbgrader_plugin.TrustedChecks`, or `python -m grader check`),
+(`nbgrader autograde` with `grader.autograde.plugin.TrustedChecks`, or `python -m grader check`),
 which rebuilds your modules from the notebook JSON and compares in its own process.
 """
 from __future__ import annotations
 
-import ast
 import glob
 import os
 import warnings
 
+from tpkit.course_imports import course_imports
+
 MAX_MODULE_BYTES = 1_000_000
-# packages a grading rank cannot import: the grader's trusted side and the lectures' reference code
-NOT_AT_GRADING = ("reference", "grader", "notebooks", "solutions", "tests")
 
 
 def kernel_sources(folder: str = ".") -> dict[str, str]:
@@ -24,27 +23,6 @@ def kernel_sources(folder: str = ".") -> dict[str, str]:
             with open(path) as f:
                 out[os.path.basename(path)] = f.read()
     return out
-
-
-def course_imports(source: str) -> list[tuple[int, str]]:
-    """(line, module) for each import in `source` of a package that grading ranks cannot see."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    found = []
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str) \
-                and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__"):
-            names = [node.args[0].value]
-        found += [(node.lineno, n) for n in names if n.split(".")[0] in NOT_AT_GRADING]
-    return found
 
 
 def check(*names: str, backend: str | None = None, launcher: str | None = None) -> None:
@@ -59,8 +37,8 @@ def check(*names: str, backend: str | None = None, launcher: str | None = None) 
     if os.environ.get("GRADER_DEFER_CHECKS") == "1":
         print(f"{', '.join(names)}: deferred to the trusted grader")
         return
-    from grader.case import get_case
-    from grader.job import run_checks
+    from grader.judge.case import get_case
+    from grader.judge.job import run_checks
     for n in names:
         get_case(n)  # unknown names fail before anything is launched
     sources = kernel_sources()

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from grader.case import Case, Contract, register
+from grader.judge.case import Case, Contract, register
 
 MODULE = "ring_collectives"
 T_MAX = 4

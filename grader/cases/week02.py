@@ -35,7 +35,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from grader.case import Case, Contract, poisoned, register, shard
+from grader.judge.case import Case, Contract, poisoned, register, shard
 
 MODULE = "tp_linear"
 

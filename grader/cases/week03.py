@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import torch
 
-from grader.case import Case, Contract, poisoned, register
+from grader.judge.case import Case, Contract, poisoned, register
 from reference.head_sharding import (
     dense_attention,
     dense_block,

@@ -63,7 +63,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from grader.case import Case, Contract, register
+from grader.judge.case import Case, Contract, register
 from grader.rank.week04 import MAX_REDUCES, WEIGHT_SHARD, upstream
 
 MODULE = "vocab_parallel"

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import torch
 
-from grader.case import Case, Contract, poisoned, register, shard
+from grader.judge.case import Case, Contract, poisoned, register, shard
 from grader.rank.week05 import COLUMN, NORMS, ROW, layer_config, lm_config
 from tpkit.models import DecoderLayer, ForCausalLM, init_weights
 

@@ -68,7 +68,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from grader.case import Case, Contract, poisoned, register, shard
+from grader.judge.case import Case, Contract, poisoned, register, shard
 
 MODULE = "overlap_linear"
 BITS_HINT = ("The ring moves bytes without arithmetic, so each block's GEMM sees the same input as 'all-gather, then "

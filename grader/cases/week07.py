@@ -64,7 +64,7 @@ import math
 
 import torch
 
-from grader.case import Case, Contract, register, shard
+from grader.judge.case import Case, Contract, register, shard
 from grader.rank.week07 import (
     CHECKED_PARAMS,
     FSDP_LAYERS,

@@ -62,7 +62,7 @@ import math
 
 import torch
 
-from grader.case import Case, Contract, poisoned, register, shard
+from grader.judge.case import Case, Contract, poisoned, register, shard
 from grader.rank.week08 import BWD_AHEAD, FWD_AHEAD, RS_INFLIGHT, RS_INFLIGHT_DW, RS_UNWAITED
 
 MODULE = "gtp_linear"

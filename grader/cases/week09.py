@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import torch
 
-from grader.case import Case, Contract, register
+from grader.judge.case import Case, Contract, register
 from grader.rank.week09 import (
     BUBBLE,
     BYTES,

@@ -6,8 +6,8 @@ dense causal attention (a masked softmax through autograd) on the full tensors, 
   dy (`rank_inputs`); it returns its two chunks of the output and of dq, dk, dv. Forward: t-1 ring passes of the
   K/V (send to r+1, receive from r-1); backward: t-1 passes of K/V and t of the travelling dK/dV. Bytes are
   exact; the number of messages per pass is free (K and V stacked into one, or two).
-- ulysses: rank r receives the contiguous block r of q, k, v, dy; 4 all-to-alls forward (q, k, v to head shards,
-  the output back) and 4 backward (each all-to-all's adjoint is the reverse all-to-all).
+- ulysses: rank r receives the contiguous block r of q, k, v, dy; all-to-alls only: forward q, k, v to head shards
+  (three, or one stacked) and the output back, backward the reverse of each; bytes exact.
 - ulysses_divisibility: heads not divisible by t -> ValueError, before any collective.
 Hidden variants: sequence lengths divisible by 2t but not powers of two (24, 40), 3 heads, fresh seeds.
 
@@ -17,19 +17,22 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  2. merge: l = logaddexp(l1, l2), o = e^{l1-l} o1 + e^{l2-l} o2 (exact) -> `y` (fixture merge_no_rescale)
  3. rank r holds chunks r and 2t-1-r; against rank src's chunks: earlier chunk full, same chunk causal, later
     chunk skipped -> `y`, `dq`, `dk`, `dv` (fixture contiguous_pairs)
- 4. step s holds the K/V of rank (r-s) mod t: send to r+1, receive from r-1 -> `y` (a wrong direction pairs the
-    wrong chunks)
+ 4. step s holds the K/V of rank (r-s) mod t: send to r+1, receive from r-1 -> `y` (a direction that does not
+    match the source rank pairs the wrong chunks; a ring run consistently the other way is as correct and passes:
+    fixture independent_reversed_ring_fused_qkv)
  5. only send/recv (or batch_isend_irecv), never an all-gather of K/V -> Contract.allowed_ops {send, recv}
     (fixture allgather_kv)
  6. forward: t-1 ring passes of the K/V (stacked, or k and v as two messages) -> bytes_sent forward (exact), and
-    "all" (nothing sent in any other phase)
+    "all" (nothing sent in any other phase) (fixture extra_forward_pass)
  7. a rank's inputs are only its own chunks -> rank_inputs (rank r never receives another rank's K/V)
  8. save for backward only this rank's q, k, v, output and lse -> ring_attention: `SAVED` (fixture saves_all_kv)
  9. backward: dq stays; dK/dV accumulate in a buffer that travels with the K/V, one pass per step, the last one
     home to the owner -> `dq`, `dk`, `dv`, bytes_sent backward = (2t-1) K/V sizes (fixture no_final_dkv_pass;
     fixture independent_separate_kv: k and v as separate isend/irecv, another exact merge: full marks)
 10. ulysses_attention: all-to-all from sequence shards to head shards, dense causal attention on the head group,
-    all-to-all back -> ulysses: `y`, `dq`, `dk`, `dv` (fixture ulysses_wrong_split), counts {all_to_all: 4} each way
+    all-to-all back -> ulysses: `y`, `dq`, `dk`, `dv` (fixture ulysses_wrong_split), allowed_ops {all_to_all},
+    bytes_sent each way = 4 (t-1)/t local tensors (q, k, v as three all-to-alls or one stacked: fixture
+    independent_reversed_ring_fused_qkv, which also runs the ring the other way round: full marks)
 11. heads not divisible by t -> ValueError -> ulysses_divisibility (fixture no_divisibility_check)
 Course-wide rule: code may not write into the tensors it is given -> ctx.hand on q, k, v.
 """
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from grader.case import Case, Contract, register
+from grader.judge.case import Case, Contract, register
 from grader.rank.week10 import DIVISIBLE, SAVED
 from reference.context_parallel import causal_attention, shard_seq
 
@@ -94,11 +97,13 @@ def _contract(cfg, t):
     local = cfg["B"] * cfg["nh"] * cfg["T"] // t * cfg["hs"] * 4          # one (B, nh, T/t, hs) float32, bytes
     if cfg["variant"] == "ulysses":
         a2a = 4 * (t - 1) / t * local                                     # (t-1)/t of each tensor leaves the rank
-        return Contract(counts={"forward": {"all_to_all": 4}, "backward": {"all_to_all": 4}},
-                        bytes_sent={"forward": a2a, "backward": a2a},
-                        why={"forward": "q, k and v go from sequence to head shards (3) and the output back (1).",
+        # bytes, not counts: q, k, v may go as three all-to-alls or one of the three stacked; the bytes are the same
+        return Contract(allowed_ops={"all_to_all"}, bytes_sent={"forward": a2a, "backward": a2a, "all": 2 * a2a},
+                        why={"forward": "q, k and v go from sequence to head shards and the output back: (t-1)/t of "
+                                        "four local tensors leave the rank.",
                              "backward": "the adjoint of each all-to-all is the reverse all-to-all: dy to head "
-                                         "shards, then dq, dk, dv back to sequence shards."})
+                                         "shards, then dq, dk, dv back to sequence shards.",
+                             "all": "the total of forward and backward: nothing may be sent outside them."})
     # bytes, not message counts: K and V may travel stacked (one send per step) or as two sends; either way a
     # step moves exactly one rank's K/V (and, in backward, one dK/dV buffer) to the next rank
     sent = {"forward": (t - 1) * 2 * local}

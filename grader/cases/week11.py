@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from grader.case import Case, Contract, register
+from grader.judge.case import Case, Contract, register
 from grader.rank.week11 import SENT, SPLITS
 from reference.expert_parallel import dense_moe, route
 

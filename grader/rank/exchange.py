@@ -1,6 +1,6 @@
 """The contract between the trusted process and the ranks of a grading job, in one place both sides import.
 
-The trusted side (grader/job.py, grader/attempt.py) writes a `JobSpec` to JOBDIR/attemptK/spec.json and each
+The trusted side (grader/judge/job.py, grader/judge/attempt.py) writes a `JobSpec` to JOBDIR/attemptK/spec.json and each
 job rank's own inputs; every rank (grader/rank/entry.py) reads the spec, runs the items in order and writes a
 `RankRecord` per item to out/rank{r}.pt; the trusted side reads those back through `RankRecord.from_saved`,
 which checks every field's type (a rank's process is the student's: what it wrote is data, never trusted).

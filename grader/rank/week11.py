@@ -2,7 +2,7 @@
 grad of the gates and the aux loss; or exchange this rank's per-expert counts and move its rows with the
 student's AllToAll, forward and backward; or build the student's EPMoE from what rank r of t holds (the
 replicated router weight and ITS experts' weights only) and run its tokens forward and backward. `inp` is
-this rank's own view (grader.cases.week11.rank_inputs): no other rank's tokens or experts ever reach it.
+this rank's own view (grader/cases/week11.py, rank_inputs): no other rank's tokens or experts ever reach it.
 
 Besides values, the ledger's record of the all-to-alls of (rows, H) tensors comes back as tensors (the bytes
 this rank sent in them, the split sizes of the first: the dispatch), because those depend on the routing and

@@ -1,7 +1,7 @@
 """nbgrader autograde, the trusted way.
 
 `DeferredExecute` runs the student's notebook as nbgrader always does, but in a boxed kernel
-(`grader.kernel_box`) that sees no course, gradebook or home, and tells the in-kernel `check()`
+(`grader.box.kernel_box`) that sees no course, gradebook or home, and tells the in-kernel `check()`
 to stand down (it would only be a self-check anyway).
 `TrustedChecks` then rebuilds the student's modules from the notebook JSON, runs every
 grade cell's checks in one job outside the kernel, and writes each verdict into that
@@ -12,12 +12,12 @@ from __future__ import annotations
 from nbformat.notebooknode import from_dict
 from nbgrader.preprocessors import Execute, NbGraderPreprocessor
 
-from grader.kernel_box import BoxedKernelManager, grading_kernel_env
-from grader.notebook import run_trusted
+from grader.box.kernel_box import BoxedKernelManager, grading_kernel_env
+from grader.autograde.notebook import run_trusted
 
 
 class DeferredExecute(Execute):
-    """nbgrader's Execute with the kernel in a box (`grader.kernel_box`) and in-kernel checks deferred."""
+    """nbgrader's Execute with the kernel in a box (`grader.box.kernel_box`) and in-kernel checks deferred."""
 
     def __init__(self, **kw):
         super().__init__(**kw)

@@ -2,11 +2,11 @@
 
 `nbgrader autograde` and `python -m grader check` run the student's notebook (its %%writefile cells, its
 %%torchrun demos). That kernel is the student's code, so it gets the grading ranks' kind of box
-(`grader.sandbox.Sandbox` with `KERNEL_VIEW`): Python and its packages, `tpkit/` and `launch/`, and a
+(`grader.box.sandbox.Sandbox` with `KERNEL_VIEW`): Python and its packages, `tpkit/` and `launch/`, and a
 writable scratch copy of the folder nbgrader runs it in. No `source/`, `solutions/`, `submitted/`,
 `autograded/`, gradebook, home or network: it talks to its client over Unix sockets (ZeroMQ's `ipc`
 transport) in the scratch folder, in its own network namespace. Only the trusted process (nbgrader,
-with `grader.nbgrader_plugin.TrustedChecks`) writes the gradebook; the kernel's outputs still reach the
+with `grader.autograde.plugin.TrustedChecks`) writes the gradebook; the kernel's outputs still reach the
 notebook through the protocol, so the student's feedback keeps them.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 
 from jupyter_client.manager import AsyncKernelManager
 
-from grader.sandbox import KERNEL_VIEW, ROOT, Sandbox, clean_env, give_to
+from grader.box.sandbox import KERNEL_VIEW, ROOT, Sandbox, clean_env, give_to
 
 
 @contextlib.contextmanager

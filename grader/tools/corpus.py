@@ -25,7 +25,7 @@ import re
 import nbformat
 
 from grader import ROOT
-from grader.notebook import _WRITEFILE, cell_source, module_sources
+from grader.autograde.notebook import _WRITEFILE, cell_source, module_sources
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 # a private file of the grading user's, as an instructor's token would be: no student code may read it

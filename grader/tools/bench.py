@@ -22,14 +22,14 @@ import subprocess
 import sys
 import time
 
-from grader.job import run_checks
+from grader.judge.job import run_checks
 
 CHECK = ["week02/column_parallel"]
 
 
 def _sources(kind: str = "solution") -> dict[str, str]:
-    from grader.demo import submission
-    from grader.notebook import module_sources
+    from grader.tools.demo import submission
+    from grader.autograde.notebook import module_sources
     return module_sources(submission(kind))
 
 
@@ -59,19 +59,19 @@ def time_check(launcher: str, repeats: int, sandbox: str = "off") -> list[float]
 
 def time_submission(kind: str, repeats: int) -> list[float]:
     """The whole trusted grading of one Week 2 submission (every grade cell's checks, sandboxed)."""
-    from grader.demo import submission
+    from grader.tools.demo import submission
     return _time_trusted(lambda: submission(kind), repeats)
 
 
 def time_fixture(week: str, name: str, repeats: int) -> list[float]:
     """The same for a submission of the corpus (tests/fixtures/weekNN), e.g. a deadlocking one."""
-    from grader.corpus import build, load_manifest
+    from grader.tools.corpus import build, load_manifest
     spec = {"base": "solution"} if name == "solution" else load_manifest(week)["submissions"][name]
     return _time_trusted(lambda: build(week, spec), repeats)
 
 
 def _time_trusted(make_notebook, repeats: int) -> list[float]:
-    from grader.notebook import run_trusted
+    from grader.autograde.notebook import run_trusted
     out = []
     for _ in range(repeats):
         nb = make_notebook()
@@ -106,10 +106,10 @@ def time_cli(path: str) -> tuple[float, float, str]:
 
 
 def class_autograde(n: int, jobs: int) -> str:
-    from grader.class_autograde import autograde_class, summary
-    from grader.demo import CLASS, WEEK, submission
-    from grader.nbgrader_tools import scratch_course
-    from grader.nbgrader_tools import course_api
+    from grader.autograde.class_autograde import autograde_class, summary
+    from grader.tools.demo import CLASS, WEEK, submission
+    from grader.autograde.nbgrader_tools import scratch_course
+    from grader.autograde.nbgrader_tools import course_api
     course = scratch_course([WEEK])
     try:
         result = course_api(course).generate_assignment(WEEK, force=True)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 
-from grader.notebook import module_sources
+from grader.autograde.notebook import module_sources
 
 from grader import ROOT
 
@@ -39,7 +39,7 @@ def course_config(course: str, db: str | None = None):
     """The course's nbgrader_config.py, rooted at `course`; gradebook `db` (a file or a database URL) if given,
     else the config's `CourseDirectory.db_url` (nbgrader's default: `course`/gradebook.db)."""
     from traitlets.config.loader import PyFileConfigLoader
-    from grader.gradebooks import url
+    from grader.autograde.gradebooks import url
     config = PyFileConfigLoader(CONFIG, path=course).load_config()
     config.CourseDirectory.root = course
     if db:
@@ -51,7 +51,7 @@ def course_api(course: str, db: str | None = None):
     """nbgrader's API on `course`, configured by the course's nbgrader_config.py (gradebook `db` if given)."""
     from nbgrader.apps.api import NbGraderAPI
     from nbgrader.coursedir import CourseDirectory
-    from grader.gradebooks import alembic_on_path
+    from grader.autograde.gradebooks import alembic_on_path
     alembic_on_path()
     config = course_config(course, db)
     return NbGraderAPI(coursedir=CourseDirectory(config=config), config=config)
@@ -94,25 +94,10 @@ def release(week_list: list[str] | None = None, dest: str | None = None) -> list
 
 
 def gradebook_rows(course: str, week: str) -> list[dict]:
-    from grader.gradebooks import gradebook
+    from grader.autograde.gradebooks import gradebook
     with gradebook(os.path.join(course, "gradebook.db")) as gb:
         rows = []
         for sub in gb.assignment_submissions(week):
             rows.append({"student": sub.student_id, "score": sub.score, "max_score": sub.max_score,
                          "cells": {g.name: g.score for nb in sub.notebooks for g in nb.grades}})
         return sorted(rows, key=lambda r: r["student"])
-
-
-def autograde(course: str, week: str, submissions: dict[str, dict], jobs: int = 2, out=None) -> list[dict]:
-    """Put each {student: notebook_json} under submitted/ and autograde them, `jobs` students at a time;
-    returns the gradebook rows."""
-    import io
-    from grader.class_autograde import autograde_class
-    nb_name = [f for f in os.listdir(os.path.join(course, "labs", week)) if f.endswith(".ipynb")][0]
-    for student, nb in submissions.items():
-        d = os.path.join(course, "submitted", student, week)
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, nb_name), "w") as f:
-            json.dump(nb, f, indent=1)
-    autograde_class(course, week, jobs=jobs, students=list(submissions), out=out or io.StringIO())
-    return gradebook_rows(course, week)

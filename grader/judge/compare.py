@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grader.case import Case, Contract
+from grader.judge.case import Case, Contract
 from grader.rank.exchange import Item, RankRecord
-from tpkit.selfcheck import NOT_AT_GRADING
+from tpkit.course_imports import NOT_AT_GRADING
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from grader.nbgrader_tools import CONFIG, course_api, course_config
+from grader.autograde.nbgrader_tools import CONFIG, course_api, course_config, gradebook_rows
 import statistics
 import sys
 import tempfile
@@ -30,7 +30,7 @@ def students_with_submissions(course: str, week: str) -> list[str]:
 
 
 def add_students(db_url: str, students: list[str]):
-    from grader.gradebooks import gradebook
+    from grader.autograde.gradebooks import gradebook
     with gradebook(db_url) as gb:
         for s in students:
             gb.update_or_create_student(s)
@@ -46,12 +46,12 @@ def slice_of(students: list[str], spec: str) -> list[str]:
     return sorted(students)[k::n]
 
 
-TAKEN = 3   # a worker's exit status: another worker holds this student (grader.gradebooks.claim)
+TAKEN = 3   # a worker's exit status: another worker holds this student (grader.autograde.gradebooks.claim)
 
 
 def _grade_in_child(course: str, week: str, student: str, report: str, db_url: str):
     """In a forked worker: autograde one submission; write nbgrader's result, then leave."""
-    from grader.gradebooks import Taken, claim
+    from grader.autograde.gradebooks import Taken, claim
     code = 1
     try:
         # this worker's and its kernel's chatter (nbgrader's SQLAlchemy warnings, ipykernel's banner) go to
@@ -76,8 +76,8 @@ def _warm():
     """What every worker needs, imported once in the driver (forked workers share it)."""
     import nbgrader.apps.api  # noqa: F401
     import torch  # noqa: F401
-    import grader.job  # noqa: F401
-    import grader.nbgrader_plugin  # noqa: F401
+    import grader.judge.job  # noqa: F401
+    import grader.autograde.plugin  # noqa: F401
     import papermill  # noqa: F401
 
 
@@ -85,7 +85,7 @@ def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] |
                     out=sys.stdout, db: str | None = None) -> dict[str, float]:
     """Autograde every submission of `week` (or `students`); returns {student: seconds}. Raises if one cannot
     be graded. `db`: grade into this gradebook file (made from the course's, without its submissions, if new)
-    instead of the course's: one slice of a class graded apart (`grader.gradebooks`); or a database URL
+    instead of the course's: one slice of a class graded apart (`grader.autograde.gradebooks`); or a database URL
     (a shared gradebook). Default: the course config's `CourseDirectory.db_url`."""
     students = students or students_with_submissions(course, week)
     if not students:
@@ -95,7 +95,7 @@ def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] |
     _warm()
     from nbgrader.coursedir import CourseDirectory
     if db and "://" not in db and not os.path.exists(db):
-        from grader.gradebooks import new_slice
+        from grader.autograde.gradebooks import new_slice
         new_slice(os.path.join(course, "gradebook.db"), db)
     db_url = CourseDirectory(config=course_config(course, db)).db_url
     add_students(db_url, students)
@@ -154,3 +154,17 @@ def summary(seconds: dict[str, float], wall: float) -> str:
     n = len(seconds)
     return (f"{n} submissions in {wall:.0f} s: {60 * n / wall:.1f} submissions/minute, "
             f"median {statistics.median(seconds.values()):.1f} s per submission")
+
+
+def autograde(course: str, week: str, submissions: dict[str, dict], jobs: int = 2, out=None) -> list[dict]:
+    """Put each {student: notebook_json} under submitted/ and autograde them, `jobs` students at a time;
+    returns the gradebook rows."""
+    import io
+    nb_name = [f for f in os.listdir(os.path.join(course, "labs", week)) if f.endswith(".ipynb")][0]
+    for student, nb in submissions.items():
+        d = os.path.join(course, "submitted", student, week)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, nb_name), "w") as f:
+            json.dump(nb, f, indent=1)
+    autograde_class(course, week, jobs=jobs, students=list(submissions), out=out or io.StringIO())
+    return gradebook_rows(course, week)

@@ -9,14 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import nbformat
 
-from grader.notebook import run_trusted
+from grader.autograde.notebook import run_trusted
 
 
 def _execute(path: str, backend: str | None, out: str | None) -> str | None:
     """Run the notebook with papermill (in-kernel checks deferred). Returns an error summary or None."""
     import papermill as pm
     import shutil
-    from grader.kernel_box import BoxedKernelManager, grading_kernel_env
+    from grader.box.kernel_box import BoxedKernelManager, grading_kernel_env
     # in a scratch folder: the notebook's %%writefile cells must not write beside the original
     with tempfile.TemporaryDirectory(prefix="grader-check-") as work:
         out = out or os.path.join(work, os.path.basename(path))

@@ -8,8 +8,8 @@
 Inside the sandbox JOBDIR is read-only and attemptK/out/ is the only folder a rank can write. Launch 0
 runs every item; a later launch runs, in fresh ranks, the items after one in which a rank process died.
 
-The launches themselves (sandbox, launcher, reading results back) are `grader.attempt`; the time limits,
-`grader.timeouts`.
+The launches themselves (sandbox, launcher, reading results back) are `grader.judge.attempt`; the time limits,
+`grader.judge.timeouts`.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grader.attempt import Attempt
-from grader.case import get_case
-from grader.compare import ItemVerdict, compare_item, is_comm_error, rank_list
+from grader.judge.attempt import Attempt
+from grader.judge.case import get_case
+from grader.judge.compare import ItemVerdict, compare_item, is_comm_error, rank_list
 from grader.rank.exchange import DEADLOCKED, Item, JobSpec, RankRecord, failed_with, participants, world_of
-from grader.timeouts import ITEM_TIMEOUT, PG_TIMEOUT, job_wall_clock
+from grader.judge.timeouts import ITEM_TIMEOUT, PG_TIMEOUT, job_wall_clock
 
 
 class GraderCannotRun(RuntimeError):
@@ -226,7 +226,7 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
     sandbox: "auto" (bubblewrap + limits where available), "on" (fail without it) or "off";
     default: GRADER_SANDBOX, else "auto".
     first: the job's first attempt, held since before this process imported torch
-    (`grader.attempt.hold_first_attempt(names, backend, sandbox, pg_timeout)`); used if the job agrees with it.
+    (`grader.judge.attempt.hold_first_attempt(names, backend, sandbox, pg_timeout)`); used if the job agrees with it.
     """
     from launch import default_launcher, pick_backend
     t0 = time.monotonic()

@@ -1,7 +1,7 @@
 """`python -m grader gpu-check` (make gpu-check): a GPU node checked in one command.
 
 On a machine with CUDA it checks the install (a CUDA build of torch, NCCL, the GPUs), grades every lab's
-solution and released stub through the trusted path (`grader.cli_check.check_notebook`, what
+solution and released stub through the trusted path (`grader.tools.cli_check.check_notebook`, what
 `python -m grader check NB --backend nccl` runs; its jobs start their ranks with torchrun, one GPU per rank),
 each check at its world sizes up to the GPU count, executes the lectures that have GPU cells (a code cell
 guarded by `torch.cuda.is_available()`) into a temp folder, and runs the lectures' Nsight Systems recipes
@@ -25,7 +25,7 @@ import time
 from grader import ROOT
 
 CHECK_TIMEOUT = 900
-# `(nccl, torchrun launcher, 3.1 s)`: the last line of a check's table (grader.job.Report.table)
+# `(nccl, torchrun launcher, 3.1 s)`: the last line of a check's table (grader.judge.job.Report.table)
 _RAN_ON = re.compile(r"\((\w+), (\w+) launcher, [\d.]+ s\)")
 _SCORE = re.compile(r"score: ([\d.]+)/([\d.]+)")
 _NSYS = re.compile(r"^((?:\w+=\S+ )*nsys profile .*)$", re.M)
@@ -53,8 +53,8 @@ def install() -> list[tuple[str, str, bool, str]]:
 def labs() -> list[tuple[str, str, list[tuple[int, ...]]]]:
     """(week, lab notebook path, the world sizes of each check its grade cells call) for every released lab."""
     import nbformat
-    from grader.case import get_case
-    from grader.notebook import grade_cells
+    from grader.judge.case import get_case
+    from grader.autograde.notebook import grade_cells
     out = []
     for path in sorted(glob.glob(os.path.join(ROOT, "labs", "week*", "*.ipynb"))):
         names = [n for _, _, ns, _ in grade_cells(nbformat.read(path, as_version=4)) for n in ns]
@@ -79,7 +79,7 @@ def plan(gpus: int) -> list[tuple[str, str, tuple[int, ...], str | None]]:
 @contextlib.contextmanager
 def capped_sizes(gpus: int):
     """Every case's world sizes cut to those up to `gpus` while a lab is checked on this node."""
-    from grader.case import all_cases
+    from grader.judge.case import all_cases
     cases = all_cases()
     saved = {name: c.world_sizes for name, c in cases.items()}
     try:
@@ -125,9 +125,9 @@ def _env() -> dict:
 
 def check_lab(week: str, which: str, gpus: int) -> tuple[str, str, bool, str, float]:
     """Grade the lab's solution (full marks expected) or its released stub (zero) on NCCL with
-    `grader.cli_check.check_notebook`, what `python -m grader check NB --backend nccl` runs."""
-    from grader.cli_check import check_notebook
-    from grader.corpus import build
+    `grader.tools.cli_check.check_notebook`, what `python -m grader check NB --backend nccl` runs."""
+    from grader.tools.cli_check import check_notebook
+    from grader.tools.corpus import build
     work = tempfile.mkdtemp(prefix="gpu-check-")
     out, saved = io.StringIO(), os.environ.get("COURSE_BACKEND")
     try:
@@ -156,7 +156,7 @@ def check_lab(week: str, which: str, gpus: int) -> tuple[str, str, bool, str, fl
 
 
 def run_lecture(path: str) -> tuple[str, str, bool, str, float]:
-    from grader.lectures import execute_lecture
+    from grader.tools.lectures import execute_lecture
     out = os.path.join(tempfile.mkdtemp(prefix="gpu-check-"), os.path.basename(path))
     t0 = time.monotonic()
     try:

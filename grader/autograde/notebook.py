@@ -63,7 +63,7 @@ def grade_cells(nb) -> list[tuple[int, dict, list[str], float]]:
 
 def run_trusted(nb, log=None):
     """Run all grade-cell checks of `nb` outside the kernel; returns (cells, report or exception)."""
-    from grader.attempt import hold_first_attempt
+    from grader.judge.attempt import hold_first_attempt
     cells = grade_cells(nb)
     names: list[str] = []
     for _, _, ns, _ in cells:
@@ -75,7 +75,7 @@ def run_trusted(nb, log=None):
         warnings.simplefilter("ignore")
         try:
             first = hold_first_attempt(names)     # its launcher imports torch while this process does
-            from grader.job import run_checks
+            from grader.judge.job import run_checks
             report = run_checks(names, module_sources(nb), graded_together=[list(ns) for _, _, ns, _ in cells],
                                 first=first)
         except Exception as exc:  # the grader itself failed: never a silent pass

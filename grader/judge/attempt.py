@@ -16,8 +16,8 @@ import tempfile
 
 from grader import ROOT
 from grader.rank.exchange import JobSpec, records_from_saved, world_of
-from grader.sandbox import Sandbox, give_to
-from grader.timeouts import KILL_GRACE, PG_TIMEOUT, STOP_GRACE
+from grader.box.sandbox import Sandbox, give_to
+from grader.judge.timeouts import KILL_GRACE, PG_TIMEOUT, STOP_GRACE
 from launch.backend import fork_launcher_likely
 from tpkit.progress import UnsafeFile, read_progress, read_regular
 

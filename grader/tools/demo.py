@@ -14,10 +14,11 @@ import time
 
 from nbgrader.plugins.export import CsvExportPlugin
 
-from grader.nbgrader_tools import course_api
-from grader.gradebooks import gradebook
-from grader.nbgrader_tools import autograde, scratch_course
-from grader.corpus import build, load_manifest
+from grader.autograde.nbgrader_tools import course_api
+from grader.autograde.gradebooks import gradebook
+from grader.autograde.class_autograde import autograde
+from grader.autograde.nbgrader_tools import scratch_course
+from grader.tools.corpus import build, load_manifest
 
 WEEK = "week02"
 CLASS = [  # student id, submission (fixture name, or solution/stub)
