@@ -161,110 +161,82 @@ def main(argv=None) -> int:
     return launch_ranks(nproc, a.target, a.module, a.args)
 
 
-def launch_ranks(nproc: int, target: str, is_module: bool, args: list[str]) -> int:
-    """Fork `nproc` ranks of `target` from this (torch-importing) process; relay their output."""
-    if is_module is False and os.path.dirname(os.path.abspath(target)) not in sys.path:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-    if is_module and "" not in sys.path:
-        sys.path.insert(0, "")
+class Ranks:
+    """The ranks this launcher forked: their output and result pipes, their exit statuses, and stopping them."""
 
-    port, run_id = free_port(), uuid.uuid4().hex[:8]
-    sel = selectors.DefaultSelector()
-    pids, bufs = {}, {}
-    printed: dict[int, int] = {}
-    declared: dict[int, bytes] = {}   # rank -> last "file sha256" line from its result channel
-    result_bufs: dict[int, tuple[int, bytes]] = {}
-    for rank in range(nproc):
-        r, w = os.pipe()
-        rr, rw = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            os.close(rr)
-            for other in list(bufs) + list(result_bufs):
-                os.close(other)
-            _rank_main(rank, nproc, port, run_id, target, is_module, args, w, rw)
-        os.close(w)
-        os.close(rw)
-        pids[pid] = rank
-        bufs[r] = (rank, b"")
-        result_bufs[rr] = (rank, b"")
-        sel.register(r, selectors.EVENT_READ)
-        sel.register(rr, selectors.EVENT_READ)
+    def __init__(self, nproc: int, out):
+        self.nproc, self.out = nproc, out
+        self.sel = selectors.DefaultSelector()
+        self.pids: dict[int, int] = {}                          # pid -> rank
+        self.bufs: dict[int, tuple[int, bytes]] = {}            # output fd -> (rank, partial line)
+        self.result_bufs: dict[int, tuple[int, bytes]] = {}     # result fd -> (rank, partial line)
+        self.printed: dict[int, int] = {}
+        self.declared: dict[int, bytes] = {}   # rank -> last "file sha256" line from its result channel
+        self.exitcodes: dict[int, int] = {}
+        self.order: list[int] = []
 
-    exitcodes, order = {}, []
+    def fork_all(self, target: str, is_module: bool, args: list[str]):
+        port, run_id = free_port(), uuid.uuid4().hex[:8]
+        for rank in range(self.nproc):
+            r, w = os.pipe()
+            rr, rw = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(r)
+                os.close(rr)
+                for other in list(self.bufs) + list(self.result_bufs):   # no rank holds another's pipes
+                    os.close(other)
+                _rank_main(rank, self.nproc, port, run_id, target, is_module, args, w, rw)
+            os.close(w)
+            os.close(rw)
+            self.pids[pid] = rank
+            self.bufs[r] = (rank, b"")
+            self.result_bufs[rr] = (rank, b"")
+            self.sel.register(r, selectors.EVENT_READ)
+            self.sel.register(rr, selectors.EVENT_READ)
 
-    def stop_all(sig):
-        for pid, rank in pids.items():
-            if rank not in exitcodes:
+    def stop_all(self, sig):
+        for pid, rank in self.pids.items():
+            if rank not in self.exitcodes:
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
 
-    out = sys.stdout.buffer
-
-    def stopped(*_):
-        """Stopped at the job's wall clock: the ranks go, but what they declared still reaches the grader
-        (a result written before a hang is not a forgery)."""
-        stop_all(signal.SIGKILL)
-        for rank, line in sorted(declared.items()):
-            out.write(b"@@result %d " % rank + line + b"\n")
-        out.flush()
-        os._exit(143)
-
-    signal.signal(signal.SIGTERM, stopped)
-    kill_at, term_sent = None, False
-    stop_grace = float(os.environ["COURSE_STOP_GRACE"]) if os.environ.get("COURSE_STOP_GRACE") else None
-    # the job's wall clock, kept here too: a signal from outside may not reach this process (a sandbox in
-    # its own session), and only this process can still relay what the ranks declared
-    deadline = float(os.environ["COURSE_DEADLINE"]) if os.environ.get("COURSE_DEADLINE") else None
-    wall_clock_hit = False
-    drain_until = None
-    while True:
-        if deadline is not None and not wall_clock_hit and time.monotonic() > deadline:
-            wall_clock_hit = True
-            stop_all(signal.SIGKILL)
-        if len(exitcodes) == nproc:
-            # every rank is gone; a daemon a rank left behind may hold its pipe open forever
-            drain_until = drain_until or time.monotonic() + 0.3
-            if not sel.get_map() or time.monotonic() > drain_until:
-                break
-        for key, _ in sel.select(timeout=0.05):
+    def relay(self, timeout: float):
+        """Copy what the ranks printed (prefixed, capped) and keep the last line each declared on its own pipe."""
+        for key, _ in self.sel.select(timeout=timeout):
             fd = key.fd
-            if fd in result_bufs:
-                rank, buf = result_bufs[fd]
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    sel.unregister(fd)
-                    os.close(fd)
-                    continue
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                for line in lines[-1:]:
-                    declared[rank] = line[:200]
-                result_bufs[fd] = (rank, buf)
-                continue
-            rank, buf = bufs[fd]
-            chunk = os.read(fd, 65536)
+            table = self.result_bufs if fd in self.result_bufs else self.bufs
+            rank, buf = table[fd]
+            chunk = os.read(fd, 4096 if table is self.result_bufs else 65536)
             if not chunk:
-                sel.unregister(fd)
+                self.sel.unregister(fd)
                 os.close(fd)
-                if buf:
-                    out.write(b"[rank %d] " % rank + buf + b"\n")
+                if buf and table is self.bufs:
+                    self.out.write(b"[rank %d] " % rank + buf + b"\n")
                 continue
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                printed[rank] = printed.get(rank, 0) + len(line) + 1
-                if printed[rank] <= RANK_OUTPUT_CAP:
-                    out.write(b"[rank %d] " % rank + line + b"\n")
-                elif printed[rank] - len(line) - 1 <= RANK_OUTPUT_CAP:
-                    out.write(b"[rank %d] ... more output dropped (over %d bytes)\n" % (rank, RANK_OUTPUT_CAP))
-            if len(buf) > RANK_OUTPUT_CAP:   # one endless line
-                buf = buf[-RANK_OUTPUT_CAP:]
-            bufs[fd] = (rank, buf)
-            out.flush()
+            *lines, buf = (buf + chunk).split(b"\n")
+            if table is self.result_bufs:
+                if lines:
+                    self.declared[rank] = lines[-1][:200]
+            else:
+                for line in lines:
+                    self._print(rank, line)
+                buf = buf[-RANK_OUTPUT_CAP:]      # one endless line
+            table[fd] = (rank, buf)
+        self.out.flush()
+
+    def _print(self, rank: int, line: bytes):
+        self.printed[rank] = self.printed.get(rank, 0) + len(line) + 1
+        if self.printed[rank] <= RANK_OUTPUT_CAP:
+            self.out.write(b"[rank %d] " % rank + line + b"\n")
+        elif self.printed[rank] - len(line) - 1 <= RANK_OUTPUT_CAP:
+            self.out.write(b"[rank %d] ... more output dropped (over %d bytes)\n" % (rank, RANK_OUTPUT_CAP))
+
+    def reap(self) -> list[int]:
+        """Exit statuses of ranks that ended since the last call; returns their codes."""
+        codes = []
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -272,32 +244,73 @@ def launch_ranks(nproc: int, target: str, is_module: bool, args: list[str]) -> i
                 break
             if pid == 0:
                 break
-            if pid not in pids:
-                continue
-            rank = pids[pid]
-            code = os.waitstatus_to_exitcode(status)
-            exitcodes[rank] = code
-            order.append(rank)
+            if pid in self.pids:
+                rank = self.pids[pid]
+                self.exitcodes[rank] = os.waitstatus_to_exitcode(status)
+                self.order.append(rank)
+                codes.append(self.exitcodes[rank])
+        return codes
+
+    def declare(self):
+        # unprefixed, so no rank can print one: every rank line carries "[rank r]"
+        for rank, line in sorted(self.declared.items()):
+            self.out.write(b"@@result %d " % rank + line + b"\n")
+        self.out.flush()
+
+    def report(self, timed_out: bool) -> int:
+        """The declarations, then the status line: on stdout, not in a file, because the status must not be
+        writable by the ranks (the sandbox's /tmp is private and the job folder is theirs), and unprefixed
+        lines can only come from this launcher."""
+        self.declare()
+        first = next((r for r in self.order if self.exitcodes[r] != 0), None)
+        self.out.write(b"@@status " + json.dumps({"exitcodes": self.exitcodes, "order": self.order,
+                                                  "first_failure": first, "timed_out": timed_out}).encode() + b"\n")
+        self.out.flush()
+        return 0 if first is None else 1
+
+
+def launch_ranks(nproc: int, target: str, is_module: bool, args: list[str]) -> int:
+    """Fork `nproc` ranks of `target` from this (torch-importing) process; relay their output."""
+    if is_module is False and os.path.dirname(os.path.abspath(target)) not in sys.path:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    if is_module and "" not in sys.path:
+        sys.path.insert(0, "")
+    ranks = Ranks(nproc, sys.stdout.buffer)
+    ranks.fork_all(target, is_module, args)
+
+    def stopped(*_):
+        """Stopped at the job's wall clock: the ranks go, but what they declared still reaches the grader
+        (a result written before a hang is not a forgery)."""
+        ranks.stop_all(signal.SIGKILL)
+        ranks.declare()
+        os._exit(143)
+    signal.signal(signal.SIGTERM, stopped)
+    stop_grace = float(os.environ["COURSE_STOP_GRACE"]) if os.environ.get("COURSE_STOP_GRACE") else None
+    # the job's wall clock, kept here too: a signal from outside may not reach this process (a sandbox in
+    # its own session), and only this process can still relay what the ranks declared
+    deadline = float(os.environ["COURSE_DEADLINE"]) if os.environ.get("COURSE_DEADLINE") else None
+    kill_at, term_sent, wall_clock_hit, drain_until = None, False, False, None
+    while True:
+        if deadline is not None and not wall_clock_hit and time.monotonic() > deadline:
+            wall_clock_hit = True
+            ranks.stop_all(signal.SIGKILL)
+        if len(ranks.exitcodes) == nproc:
+            # every rank is gone; a daemon a rank left behind may hold its pipe open forever
+            drain_until = drain_until or time.monotonic() + 0.3
+            if not ranks.sel.get_map() or time.monotonic() > drain_until:
+                break
+        ranks.relay(timeout=0.05)
+        for code in ranks.reap():
             if code != 0 and kill_at is None:
                 kill_at = time.monotonic() + 0.5  # like torchrun: one failed rank stops the job
-            elif stop_grace is not None and kill_at is None and len(exitcodes) < nproc:
+            elif stop_grace is not None and kill_at is None and len(ranks.exitcodes) < nproc:
                 # a job whose ranks all finish together (grading): one that left early was cut short
                 kill_at = time.monotonic() + stop_grace
         if kill_at is not None and time.monotonic() > kill_at:
             # TERM first so ranks can flush; KILL whoever ignores it
-            stop_all(signal.SIGTERM if not term_sent else signal.SIGKILL)
+            ranks.stop_all(signal.SIGTERM if not term_sent else signal.SIGKILL)
             term_sent, kill_at = True, time.monotonic() + 2.0
-    for rank, line in sorted(declared.items()):
-        # unprefixed, so no rank can print one: every rank line above carries "[rank r]"
-        out.write(b"@@result %d " % rank + line + b"\n")
-    out.flush()
-    first = next((r for r in order if exitcodes[r] != 0), None)
-    # on stdout, not in a file: the status must not be writable by the ranks (the sandbox's /tmp is
-    # private and the job folder is theirs), and unprefixed lines can only come from this launcher
-    out.write(b"@@status " + json.dumps({"exitcodes": exitcodes, "order": order, "first_failure": first,
-                                         "timed_out": wall_clock_hit}).encode() + b"\n")
-    out.flush()
-    return 0 if first is None else 1
+    return ranks.report(wall_clock_hit)
 
 
 if __name__ == "__main__":

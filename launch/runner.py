@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from launch.backend import default_launcher, pick_backend
+from launch.launchers import LAUNCHERS
+from launch.relay import Relay
 
-_TORCHRUN_PREFIX = re.compile(r"^\[default(\d+)\]:")
 _RANK_PREFIX = re.compile(r"^\[rank (\d+)\] ?")
 
 
@@ -68,39 +69,6 @@ class RunResult:
         code = self.exitcodes.get(rank)
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         return f"rank {rank} failed first ({how}):\n" + (text[i:] if i >= 0 else text[-4000:])
-
-
-class _WarmJob:
-    """A job forked by the warm launcher, with the bits of Popen that run() uses."""
-
-    def __init__(self, req: dict):
-        from launch.zygote import start_job
-        r, w = os.pipe()
-        try:
-            self.pid = start_job(req, w)
-        finally:
-            os.close(w)
-        self.stdout = os.fdopen(r, "rb")
-        self.returncode = None
-
-    def poll(self):
-        try:
-            os.kill(self.pid, 0)
-            with open(f"/proc/{self.pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    raise ProcessLookupError
-            return None
-        except (ProcessLookupError, OSError):
-            self.returncode = self.returncode if self.returncode is not None else 0
-            return self.returncode
-
-    def wait(self, timeout=None):
-        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
-        while self.poll() is None:
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired("<warm job>", timeout)
-            time.sleep(0.02)
-        return self.returncode
 
 
 def rank_env(backend: str, pg_timeout: float | None = None) -> dict:
@@ -210,26 +178,7 @@ def start(target: str, nproc: int | None, args: Sequence[str] = (), *, module: b
     if not held:
         full_env["COURSE_DEADLINE"] = _deadline(timeout)
     full_env.update(env or {})
-    py = [sys.executable]
-    if launcher == "fork":
-        cmd = [*wrap, *py, "-m", "launch.forkrun"] + (["--hold"] if held else ["--nproc", str(nproc)])
-        if preload:
-            cmd += ["--preload", ",".join(preload)]
-    else:
-        cmd = [*wrap, *py, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "0",
-               "--nproc-per-node", str(nproc), "--tee", "3"]
-    cmd += (["-m", target] if module else [target]) + list(args)
-
-    if launcher == "warm":
-        if wrap:
-            raise ValueError("the warm launcher cannot run inside a wrapper (sandbox): use launcher='fork'")
-        proc = _WarmJob({"nproc": nproc, "target": target, "module": module, "args": list(args), "env": full_env,
-                         "cwd": os.path.abspath(cwd or os.getcwd()), "preload": list(preload)})
-        cmd = ["<warm>", target, *args]
-    else:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.PIPE if held else subprocess.DEVNULL,
-                                env=full_env, cwd=cwd, start_new_session=True)
+    proc, cmd = LAUNCHERS[launcher].spawn(target, module, args, nproc, preload, wrap, full_env, cwd)
     return Launch(proc=proc, cmd=cmd, nproc=nproc, backend=backend, launcher=launcher, job_id=job_id,
                   timeout=timeout, kill_grace=kill_grace, stream=stream)
 
@@ -281,126 +230,71 @@ class Launch:
         """Relay the job's output until it ends (or its timeout, then stop it); nothing is left running."""
         if self.nproc is None:
             raise RuntimeError("this launch is held: release(nproc, timeout) it before wait()")
-        proc, launcher, nproc, job_id, kill_grace, stream = (self.proc, self.launcher, self.nproc, self.job_id,
-                                                             self.kill_grace, self.stream)
-        cmd, backend, t0 = self.cmd, self.backend, self.t0
-        lines: list[str] = []
-        timed_out = False
-        deadline = t0 + self.timeout
-        os.set_blocking(proc.stdout.fileno(), False)
-        buf = b""
+        kind = LAUNCHERS[self.launcher]
+        relay = Relay(self.stream, private_channel=kind.private_channel)
+        timed_out = self._relay_until_done(relay)
+        leftovers = self._stop(relay, timed_out)
+        seconds = time.monotonic() - self.t0
+        out = kind.outcome(self.proc, relay, self.nproc)
+        timed_out = timed_out or out.timed_out
+        returncode = 124 if timed_out else (out.returncode if out.returncode is not None else self.proc.returncode)
+        return RunResult(returncode=returncode, exitcodes=out.exitcodes, output="\n".join(relay.lines),
+                         timed_out=timed_out, seconds=seconds, nproc=self.nproc, backend=self.backend,
+                         launcher=self.launcher, first_failure=out.first_failure, leftovers_killed=leftovers,
+                         command=self.cmd, declared=relay.declared, job_id=self.job_id, order=out.order)
+
+    def _relay_until_done(self, relay: Relay) -> bool:
+        """Feed the launcher's output to `relay` until the launcher is done; True if the wall clock ran out."""
         import selectors
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        max_bytes, seen_bytes, truncated = 2_000_000, 0, False
+        out = self.proc.stdout
+        os.set_blocking(out.fileno(), False)
+        deadline = self.t0 + self.timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(out, selectors.EVENT_READ)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return True
+                for _ in sel.select(timeout=min(remaining, 0.1)):
+                    try:
+                        chunk = out.read(65536)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:
+                        relay.flush()
+                        return False
+                    relay.feed(chunk)
+                if self.proc.poll() is not None and not sel.select(timeout=0):
+                    try:                     # the launcher exited: what is left in the pipe
+                        relay.feed(out.read() or b"")
+                    except BlockingIOError:
+                        pass
+                    relay.flush()
+                    return False
 
-        declared: dict[int, str] = {}
-        status: dict = {}
-
-        def emit(raw: bytes):
-            nonlocal seen_bytes, truncated
-            line = raw.decode("utf-8", "replace")
-            if line.startswith("@@status "):
-                try:
-                    status.update(json.loads(line[len("@@status "):]))
-                except ValueError:
-                    pass
-                return
-            if line.startswith("@@result "):
-                _, r, rest = line.split(" ", 2)
-                declared[int(r)] = rest
-                return
-            m = _TORCHRUN_PREFIX.match(line)
-            if m:
-                line = f"[rank {m.group(1)}] " + line[m.end():]
-                body = line.split("] ", 1)[1] if "] " in line else ""
-                if launcher == "torchrun" and body.startswith("@@result "):
-                    # torchrun has no private channel per rank: a rank declares on its own (prefixed) stdout
-                    declared[int(m.group(1))] = body[len("@@result "):].strip()
-                    return
-            seen_bytes += len(raw)
-            if seen_bytes > max_bytes:  # a rank printing without end must not fill memory
-                if not truncated:
-                    truncated = True
-                    lines.append("[launch] output truncated after 2 MB")
-                return
-            lines.append(line)
-            if stream:
-                stream(line)
-
-        open_pipe = True
-        while open_pipe:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = True
-                break
-            for _key, _ in sel.select(timeout=min(remaining, 0.1)):
-                try:
-                    chunk = proc.stdout.read(65536)
-                except BlockingIOError:
-                    continue
-                if not chunk:
-                    open_pipe = False
-                    break
-                buf += chunk
-                *done, buf = buf.split(b"\n")
-                for raw in done:
-                    emit(raw)
-            if proc.poll() is not None and not sel.select(timeout=0):
-                # the launcher exited; drain what is left
-                try:
-                    rest = proc.stdout.read() or b""
-                except BlockingIOError:
-                    rest = b""
-                buf += rest
-                open_pipe = False
-        if buf:
-            for raw in buf.split(b"\n"):
-                if raw:
-                    emit(raw)
+    def _stop(self, relay: Relay, timed_out: bool) -> int:
+        """The launcher's group TERM then KILL (at once if the clock ran out), every process of the job found and
+        killed, the pipe closed. Returns how many processes had to be killed."""
+        proc, grace = self.proc, self.kill_grace
         if timed_out:
             _killpg(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(timeout=kill_grace)
+                proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
             _killpg(proc.pid, signal.SIGKILL)
         try:
-            proc.wait(timeout=kill_grace)
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             _killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         _killpg(proc.pid, signal.SIGKILL)  # ranks the launcher left behind
-        leftovers = kill_job_processes(job_id)
+        leftovers = kill_job_processes(self.job_id)
         if timed_out:   # what the launcher said on its way out (the ranks' declarations)
             try:
-                rest = proc.stdout.read() or b""
+                relay.feed(proc.stdout.read() or b"")
             except (BlockingIOError, OSError, ValueError):
-                rest = b""
-            for raw in rest.split(b"\n"):
-                if raw:
-                    emit(raw)
-        sel.close()
+                pass
+            relay.flush()
         proc.stdout.close()
-        seconds = time.monotonic() - t0
-
-        exitcodes: dict[int, int] = {}
-        first, order = None, []
-        if launcher == "warm":
-            proc.returncode = 0 if status and status.get("first_failure") is None else 1
-        if launcher in ("fork", "warm") and status:
-            exitcodes = {int(k): v for k, v in status["exitcodes"].items()}
-            first = status["first_failure"]
-            order = [int(r) for r in status.get("order", [])]
-            timed_out = timed_out or bool(status.get("timed_out"))
-        elif launcher == "torchrun":
-            exitcodes = {r: 0 for r in range(nproc)} if proc.returncode == 0 else {}
-            text = "\n".join(lines)
-            for m in re.finditer(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", text):
-                exitcodes[int(m.group(1))] = int(m.group(2))
-            rc = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", text, re.S)
-            first = int(rc.group(1)) if rc else None
-        returncode = proc.returncode if not timed_out else 124
-        return RunResult(returncode=returncode, exitcodes=exitcodes, output="\n".join(lines), timed_out=timed_out,
-                         seconds=seconds, nproc=nproc, backend=backend, launcher=launcher, first_failure=first,
-                         leftovers_killed=leftovers, command=cmd, declared=declared, job_id=job_id, order=order)
+        return leftovers

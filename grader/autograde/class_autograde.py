@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-
-from grader.autograde.nbgrader_tools import CONFIG, course_api, course_config, gradebook_rows
+import signal
 import statistics
 import sys
 import tempfile
 import time
+
+from grader.autograde.nbgrader_tools import CONFIG, course_api, course_config, gradebook_rows
+from grader.judge.timeouts import EXECUTE_TIMEOUT
 
 
 
@@ -47,6 +49,8 @@ def slice_of(students: list[str], spec: str) -> list[str]:
 
 
 TAKEN = 3   # a worker's exit status: another worker holds this student (grader.autograde.gradebooks.claim)
+# one submission, whole: nbgrader's run of every cell (each bounded by EXECUTE_TIMEOUT) and the trusted checks
+WORKER_TIMEOUT = 3 * EXECUTE_TIMEOUT
 
 
 def _grade_in_child(course: str, week: str, student: str, report: str, db_url: str):
@@ -99,55 +103,77 @@ def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] |
         new_slice(os.path.join(course, "gradebook.db"), db)
     db_url = CourseDirectory(config=course_config(course, db)).db_url
     add_students(db_url, students)
-    reports = tempfile.mkdtemp(prefix="grader-class-")
-    seconds: dict[str, float] = {}
-    t0 = time.monotonic()
+    workers = _Workers(course, week, db_url, out)
+    n = len(students)
+    retry = workers.run(students, max(1, jobs), lambda k: f"[{k}/{n}]")
+    still = workers.run(retry, 1, lambda k: "[retry]")
+    if still or workers.taken:
+        raise RuntimeError("autograde failed for " + ", ".join(still + workers.taken) + ":\n" +
+                           "\n".join(workers.why(s) for s in workers.taken + still))
+    return workers.seconds
 
-    def run(queue: list[str], parallel: int, label) -> list[str]:
+
+class _Workers:
+    """Forked workers, one submission each, `parallel` at a time; one that outlives WORKER_TIMEOUT is killed
+    with everything it started and counts as failed (a class run never stalls on one submission)."""
+
+    def __init__(self, course: str, week: str, db_url: str, out):
+        self.course, self.week, self.db_url, self.out = course, week, db_url, out
+        self.reports = tempfile.mkdtemp(prefix="grader-class-")
+        self.seconds: dict[str, float] = {}
+        self.taken: list[str] = []
+        self.t0 = time.monotonic()
+
+    def run(self, queue: list[str], parallel: int, label) -> list[str]:
         running: dict[int, tuple[str, float]] = {}
-        failed, done = [], 0
-        queue = list(queue)
+        failed, done, queue = [], 0, list(queue)
         while queue or running:
             while queue and len(running) < parallel:
                 student = queue.pop(0)
                 pid = os.fork()
                 if pid == 0:
-                    _grade_in_child(course, week, student, os.path.join(reports, f"{student}.json"), db_url)
+                    os.setpgid(0, 0)     # the worker and all it starts: one group, killed together on timeout
+                    _grade_in_child(self.course, self.week, student, self._report(student), self.db_url)
                 running[pid] = (student, time.monotonic())
-            pid, status = os.wait()
-            if pid not in running:
-                continue
+            pid, code = self._next_exit(running)
             student, started = running.pop(pid)
-            seconds[student] = time.monotonic() - started
-            code = os.waitstatus_to_exitcode(status)
+            self.seconds[student] = time.monotonic() - started
             if code == TAKEN:
-                taken.append(student)
+                self.taken.append(student)
             elif code != 0:
                 failed.append(student)
             done += 1
-            state = {0: "ok", TAKEN: "taken by another worker"}.get(code, "will retry")
-            print(f"{label(done)} {student}: {seconds[student]:.1f} s ({state}), "
-                  f"{time.monotonic() - t0:.0f} s elapsed", file=out, flush=True)
+            state = {0: "ok", TAKEN: "taken by another worker", -9: "killed at the worker timeout"}.get(
+                code, "will retry")
+            print(f"{label(done)} {student}: {self.seconds[student]:.1f} s ({state}), "
+                  f"{time.monotonic() - self.t0:.0f} s elapsed", file=self.out, flush=True)
         return failed
 
-    n = len(students)
-    taken: list[str] = []
-    retry = run(students, max(1, jobs), lambda k: f"[{k}/{n}]")
-    still = run(retry, 1, lambda k: "[retry]")
-    if still or taken:
-        logs = []
-        for s in taken:
-            with open(os.path.join(reports, f"{s}.json")) as f:
-                logs.append(json.load(f)["taken"])
-        for s in still:
-            try:
-                with open(os.path.join(reports, f"{s}.json")) as f:
-                    r = json.load(f)
-                logs.append(f"{s}: {r.get('log', '')[-3000:]}\n{r.get('error', '')[-1500:]}")
-            except (OSError, ValueError):
-                logs.append(f"{s}: the worker ended without a report")
-        raise RuntimeError("autograde failed for " + ", ".join(still + taken) + ":\n" + "\n".join(logs))
-    return seconds
+    def _next_exit(self, running: dict[int, tuple[str, float]]) -> tuple[int, int]:
+        """(pid, exit status) of the next worker to end; kills one that has run past WORKER_TIMEOUT."""
+        while True:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid in running:
+                return pid, os.waitstatus_to_exitcode(status)
+            if pid == 0:
+                for p, (_, started) in running.items():
+                    if time.monotonic() - started > WORKER_TIMEOUT:
+                        try:
+                            os.killpg(p, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                time.sleep(0.05)
+
+    def _report(self, student: str) -> str:
+        return os.path.join(self.reports, f"{student}.json")
+
+    def why(self, student: str) -> str:
+        try:
+            with open(self._report(student)) as f:
+                r = json.load(f)
+        except (OSError, ValueError):
+            return f"{student}: the worker ended without a report (killed at the {WORKER_TIMEOUT:.0f} s timeout?)"
+        return r["taken"] if "taken" in r else f"{student}: {r.get('log', '')[-3000:]}\n{r.get('error', '')[-1500:]}"
 
 
 def summary(seconds: dict[str, float], wall: float) -> str:

@@ -32,10 +32,9 @@ def preloads(weeks) -> tuple[str, ...]:
 class Attempt:
     """attemptK/ of a job: spec.json, and out/, the only folder its ranks may write."""
 
-    def __init__(self, jobdir: str, k: int, *, backend: str, launcher: str, mode: str, stream=None,
-                 wrap: tuple = (), interactive: bool = False):
+    def __init__(self, jobdir: str, k: int, *, backend: str, launcher: str, mode: str, interactive: bool = False):
         self.jobdir, self.backend, self.launcher, self.mode = jobdir, backend, launcher, mode
-        self.stream, self.wrap, self.interactive = stream, tuple(wrap), interactive
+        self.interactive = interactive
         self.here = os.path.join(jobdir, f"attempt{k}")
         self.outdir = os.path.join(self.here, "out")
         os.makedirs(self.outdir)
@@ -59,8 +58,8 @@ class Attempt:
     def _start(self, nproc: int | None, weeks, timeout: float, pg_timeout: float):
         from launch.runner import start
         return start("grader.rank.entry", nproc, [self.here], backend=self.backend, launcher=self.launcher,
-                     timeout=timeout, kill_grace=KILL_GRACE, pg_timeout=pg_timeout, stream=self.stream,
-                     preload=preloads(weeks), wrap=tuple(self.box.prefix) + self.wrap,
+                     timeout=timeout, kill_grace=KILL_GRACE, pg_timeout=pg_timeout,
+                     preload=preloads(weeks), wrap=tuple(self.box.prefix),
                      base_env=self.box.base_env(os.environ),
                      env={"PYTHONPATH": _pythonpath(ROOT), "COURSE_STOP_GRACE": str(STOP_GRACE), **self.box.env,
                           **({"COURSE_RANK_INPUTS": os.path.join(self.jobdir, "inputs", "rank{rank}.pt")}

@@ -76,8 +76,7 @@ class Report:
     cases: dict[str, CaseVerdict]
     seconds: float
     runs: list = field(default_factory=list)      # one launch, or more after a rank died (launch.RunResult)
-    jobdir: str = ""
-    sandbox: dict = field(default_factory=dict)
+    sandbox: dict = field(default_factory=dict)   # the box's description: its notes say what it could not do
 
     @property
     def run(self):
@@ -211,10 +210,9 @@ def _desync_group(results: dict) -> str | None:
 
 
 def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None = None,
-               launcher: str | None = None, pg_timeout: float = PG_TIMEOUT, stream=None,
-               wrap: tuple = (), keep: bool = False, fresh_seed: bool = True,
-               sandbox: str | None = None, interactive: bool = False,
-               graded_together: list[list[str]] | None = None, first: Attempt | None = None) -> Report:
+               launcher: str | None = None, fresh_seed: bool = True, sandbox: str | None = None,
+               interactive: bool = False, graded_together: list[list[str]] | None = None,
+               first: Attempt | None = None) -> Report:
     """Run the named checks on the student's module `sources` ({filename: text}) and compare here.
 
     All items run in one launch. When a rank process dies (abort, segfault, os._exit, out of memory) or
@@ -223,8 +221,8 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
     graded_together: groups of checks that score together (one grade cell). A relaunch skips the items of
     a group that has already failed: their points are lost whatever they do, and a submission that hangs
     at t = 2 would hang again at t = 3 and 4, each costing a deadlock's detection and a fresh launch.
-    sandbox: "auto" (bubblewrap + limits where available), "on" (fail without it) or "off";
-    default: GRADER_SANDBOX, else "auto".
+    sandbox: "on" (bubblewrap, limits, an unprivileged uid; refused without bubblewrap), "auto" (the same,
+    degraded where a lesser tool is missing) or "off"; default: GRADER_SANDBOX, else "auto".
     first: the job's first attempt, held since before this process imported torch
     (`grader.judge.attempt.hold_first_attempt(names, backend, sandbox, pg_timeout)`); used if the job agrees with it.
     """
@@ -238,63 +236,76 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
         backend = pick_backend(world_of(items), backend)
         launcher = default_launcher(backend, launcher, interactive=interactive and mode == "off")
         if first is not None and ((first.backend, first.launcher, first.mode) != (backend, launcher, mode)
-                                  or stream or wrap or interactive):
+                                  or interactive):
             first.cancel()
             first = None
-        os.makedirs(os.path.join(jobdir, "student"))
-        for fname, text in sources.items():
-            with open(os.path.join(jobdir, "student", os.path.basename(fname)), "w") as f:
-                f.write(text)
-        inputs, refs = {}, {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for it in items:
-                case = get_case(it.case)
-                inputs[it.id] = case.make_inputs(it.config, torch.Generator().manual_seed(it.seed))
-                refs[it.id] = case.reference(it.config, {k: v.clone() for k, v in inputs[it.id].items()})
-        os.makedirs(os.path.join(jobdir, "inputs"), mode=0o700)   # the grader's: see Attempt.own_inputs
-        for j, own in enumerate(rank_views(items, inputs)):
-            torch.save(own, os.path.join(jobdir, "inputs", f"rank{j}.pt"))
+        refs = _prepare(jobdir, items, sources)
         together = graded_together or []
-        cases: dict[str, CaseVerdict] = {it.case: CaseVerdict(it.case, True) for it in items}
         verdicts: dict[str, ItemVerdict] = {}
         pending = items
-        budget = job_wall_clock(len(items), pg_timeout, max(it.timeout for it in items))
+        budget = job_wall_clock(len(items), PG_TIMEOUT, max(it.timeout for it in items))
         while pending:
             attempt = first if first is not None and not runs else Attempt(
-                jobdir, len(runs), backend=backend, launcher=launcher, mode=mode, stream=stream, wrap=wrap,
-                interactive=interactive)
-            spec = JobSpec(items=pending, pg_timeout=pg_timeout, graded_together=together,
+                jobdir, len(runs), backend=backend, launcher=launcher, mode=mode, interactive=interactive)
+            spec = JobSpec(items=pending, pg_timeout=PG_TIMEOUT, graded_together=together,
                            inputs=os.path.join(jobdir, "inputs", "rank{rank}.pt"),
                            student=os.path.join(jobdir, "student"))
-            run, results = attempt.run(spec, timeout=job_wall_clock(len(pending), pg_timeout,
+            run, results = attempt.run(spec, timeout=job_wall_clock(len(pending), PG_TIMEOUT,
                                                                     max(it.timeout for it in pending)))
             runs.append(run)
             boxes.append(attempt.box)
-            for it in _judgeable(pending, run, results):
-                verdicts[it.id] = _judge(it, refs[it.id], results, run)
-            left = [it for it in pending if it.id not in verdicts]
-            failed_cases = {v.case for v in verdicts.values() if not v.passed}
-            for it in [it for it in left if failed_with(it.case, failed_cases, together)]:
-                verdicts[it.id] = _skipped(it, failed_with(it.case, failed_cases, together))
-                left.remove(it)
-            if left and time.monotonic() - t0 > budget:
-                for it in left:      # out of time: judge them with what this launch left
-                    verdicts[it.id] = _judge(it, refs[it.id], results, run)
-                left = []
-            pending = left
-        for it in items:
-            v = verdicts[it.id]
-            cv = cases[it.case]
-            cv.items.append(v)
-            cv.passed = cv.passed and v.passed
-        return Report(cases=cases, seconds=time.monotonic() - t0, runs=runs, jobdir=jobdir if keep else "",
+            pending = _judge_launch(pending, run, results, refs, verdicts, together,
+                                    out_of_time=time.monotonic() - t0 > budget)
+        return Report(cases=_case_verdicts(items, verdicts), seconds=time.monotonic() - t0, runs=runs,
                       sandbox=boxes[-1].describe())
     finally:
         if first is not None and not runs:     # held, never run (the job failed before its first launch)
             first.cancel()
-        if not keep:
-            shutil.rmtree(jobdir, ignore_errors=True)
+        shutil.rmtree(jobdir, ignore_errors=True)
+
+
+def _prepare(jobdir: str, items: list[Item], sources: dict[str, str]) -> dict:
+    """The job folder's student modules and each rank's own inputs; returns the references (kept here)."""
+    os.makedirs(os.path.join(jobdir, "student"))
+    for fname, text in sources.items():
+        with open(os.path.join(jobdir, "student", os.path.basename(fname)), "w") as f:
+            f.write(text)
+    inputs, refs = {}, {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for it in items:
+            case = get_case(it.case)
+            inputs[it.id] = case.make_inputs(it.config, torch.Generator().manual_seed(it.seed))
+            refs[it.id] = case.reference(it.config, {k: v.clone() for k, v in inputs[it.id].items()})
+    os.makedirs(os.path.join(jobdir, "inputs"), mode=0o700)   # the grader's: see Attempt.own_inputs
+    for j, own in enumerate(rank_views(items, inputs)):
+        torch.save(own, os.path.join(jobdir, "inputs", f"rank{j}.pt"))
+    return refs
+
+
+def _judge_launch(pending: list[Item], run, results: dict, refs: dict, verdicts: dict, together,
+                  out_of_time: bool) -> list[Item]:
+    """Judge what one launch lets us judge, skip what a failed check makes pointless; returns what runs again."""
+    for it in _judgeable(pending, run, results):
+        verdicts[it.id] = _judge(it, refs[it.id], results, run)
+    left = [it for it in pending if it.id not in verdicts]
+    failed_cases = {v.case for v in verdicts.values() if not v.passed}
+    for it in [it for it in left if failed_with(it.case, failed_cases, together)]:
+        verdicts[it.id] = _skipped(it, failed_with(it.case, failed_cases, together))
+        left.remove(it)
+    if left and out_of_time:
+        for it in left:      # out of time: judge them with what this launch left
+            verdicts[it.id] = _judge(it, refs[it.id], results, run)
+        left = []
+    return left
+
+
+def _case_verdicts(items: list[Item], verdicts: dict[str, ItemVerdict]) -> dict[str, CaseVerdict]:
+    cases: dict[str, CaseVerdict] = {it.case: CaseVerdict(it.case, True) for it in items}
+    for it in items:
+        cases[it.case].items.append(verdicts[it.id])
+        cases[it.case].passed = cases[it.case].passed and verdicts[it.id].passed
+    return cases
 
 
 def _skipped(item: Item, failed: str) -> ItemVerdict:
