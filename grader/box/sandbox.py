@@ -177,6 +177,11 @@ class Sandbox:
             else:
                 self.env["COURSE_RANK_UID"] = str(self.uid)
         self._cgroup()
+        self.prefix = self.prefix + self._bwrap_args(bwrap) + ["--"] + drop
+        return self
+
+    def _bwrap_args(self, bwrap: str) -> list[str]:
+        """bubblewrap's arguments: new namespaces, the system read-only, a private /tmp, the view, our folders."""
         args = [bwrap, "--die-with-parent", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                 "--new-session", "--hostname", "localhost"]
         if os.geteuid() != 0:
@@ -209,8 +214,7 @@ class Sandbox:
             args += ["--bind", path, path]
         if self.chdir:
             args += ["--chdir", self.chdir]
-        self.prefix = self.prefix + args + ["--"] + drop
-        return self
+        return args
 
     def _missing(self, msg: str) -> "Sandbox":
         if self.mode == "on":

@@ -14,8 +14,12 @@ weights from_dense is handed with the other ranks' rows NaN; so nothing here sha
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
+
+from tpkit.dispatch import MeasuringMode
+from tpkit.timeline import Provenance
 
 
 def _warm_imports():
@@ -43,7 +47,7 @@ _RS_OPS = {"_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_co
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "mv", "addmv", "_addmm_activation", "dot"}
 
 
-def _prefetch_order(ledger):
+class PrefetchOrder(MeasuringMode):
     """A dispatch mode that sees, in each phase, every all-gather and reduce-scatter launch and every GEMM, and
     (while active) every Work.wait(): at the first GEMM that reads a gathered buffer (or a view of it), it
     records how many gathers of that phase were launched after that buffer's own and how many reduce-scatters
@@ -53,99 +57,93 @@ def _prefetch_order(ledger):
     reduce-scatters in flight is taken too. A Work is matched to its launch by
     identity: Work.unbox of the op's output is the very object dist.* hands the caller (a functional
     collective, waited with wait_tensor, is not followed: the lab asks for dist.reduce_scatter_single and its
-    Work). Defined per call, so nothing at module level stands between the student and it."""
-    import weakref
+    Work)."""
 
-    from tpkit.dispatch import MeasuringMode
-    from tpkit.timeline import Provenance
+    def __init__(self, ledger):
+        super().__init__()
+        self.ledger = ledger
+        self.gathers: dict[str, list] = {}     # phase -> [(weakref to the buffer, storage ptr, read yet)]
+        self.ahead: dict[str, list] = {}       # phase -> [later gathers launched, per weight, at its GEMM]
+        self.rs: dict[str, list] = {}          # phase -> [[Work, waited yet]] per c10d reduce-scatter
+        self.rs_inflight: dict[str, list] = {}  # phase -> [reduce-scatters in flight, per weight, at its GEMM]
+        self._works: dict[int, list] = {}      # id(Work) -> its record (the Work is kept, so the id is unique)
+        self.prov = Provenance()               # which storages hold a layer's input x_i
+        self.x_numel: dict[int, int] = {}      # layer -> numel of x_i, of its weight
+        self.w_numel: dict[int, int] = {}
+        self.rs_at_dw: dict[int, int] = {}     # layer -> reduce-scatters in flight at its dW GEMM
 
-    class PrefetchOrder(MeasuringMode):
-        def __init__(self):
-            super().__init__()
-            self.gathers: dict[str, list] = {}     # phase -> [(weakref to the buffer, storage ptr, read yet)]
-            self.ahead: dict[str, list] = {}       # phase -> [later gathers launched, per weight, at its GEMM]
-            self.rs: dict[str, list] = {}          # phase -> [[Work, waited yet]] per c10d reduce-scatter
-            self.rs_inflight: dict[str, list] = {}  # phase -> [reduce-scatters in flight, per weight, at its GEMM]
-            self._works: dict[int, list] = {}      # id(Work) -> its record (the Work is kept, so the id is unique)
-            self.prov = Provenance()               # which storages hold a layer's input x_i
-            self.x_numel: dict[int, int] = {}      # layer -> numel of x_i, of its weight
-            self.w_numel: dict[int, int] = {}
-            self.rs_at_dw: dict[int, int] = {}     # layer -> reduce-scatters in flight at its dW GEMM
+    def on_wait(self, work, started, returned):
+        rec = self._works.get(id(work))
+        if rec is not None:
+            rec[1] = True
 
-        def on_wait(self, work, started, returned):
-            rec = self._works.get(id(work))
-            if rec is not None:
-                rec[1] = True
+    def unwaited(self, phase):
+        return sum(1 for _, waited in self.rs.get(phase, []) if not waited)
 
-        def unwaited(self, phase):
-            return sum(1 for _, waited in self.rs.get(phase, []) if not waited)
-
-        def _track_rs(self, out):
-            if isinstance(out, (tuple, list)) and out and isinstance(out[-1], torch.ScriptObject):
-                try:
-                    work = torch._C._distributed_c10d.Work.unbox(out[-1])
-                except Exception:      # noqa: BLE001
-                    return
-                rec = [work, False]
-                self._works[id(work)] = rec
-                self.rs.setdefault(ledger.phase, []).append(rec)
-
-        @staticmethod
-        def _ptr(t):
+    def _track_rs(self, out):
+        if isinstance(out, (tuple, list)) and out and isinstance(out[-1], torch.ScriptObject):
             try:
-                return t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() > 0 else None
+                work = torch._C._distributed_c10d.Work.unbox(out[-1])
             except Exception:      # noqa: BLE001
-                return None
+                return
+            rec = [work, False]
+            self._works[id(work)] = rec
+            self.rs.setdefault(self.ledger.phase, []).append(rec)
 
-        def _track(self, out):
-            if isinstance(out, torch.Tensor):
-                self.gathers.setdefault(ledger.phase, []).append([weakref.ref(out), self._ptr(out), False])
+    @staticmethod
+    def _ptr(t):
+        try:
+            return t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() > 0 else None
+        except Exception:      # noqa: BLE001
+            return None
 
-        def _gemm(self, args, out):
-            mine = self.gathers.get(ledger.phase, [])
-            operands = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
-                        if isinstance(t, torch.Tensor)]
-            ptrs = {self._ptr(t) for t in operands}
-            for j in range(len(mine) - 1, -1, -1):    # the newest live buffer with that storage
-                ref, ptr, read = mine[j]
-                if ptr is not None and ptr in ptrs and ref() is not None and self._ptr(ref()) == ptr:
-                    if not read:
-                        mine[j][2] = True
-                        ahead = self.ahead.setdefault(ledger.phase, [])
-                        if ledger.phase == "forward":      # layer i's GEMM: its other operand is x_i
-                            i = len(ahead)
-                            for t in operands:
-                                if self._ptr(t) != ptr:
-                                    self.prov.tag(t, f"x{i}")
-                                    self.x_numel[i], self.w_numel[i] = t.numel(), ref().numel()
-                        ahead.append(len(mine) - (j + 1))
-                        self.rs_inflight.setdefault(ledger.phase, []).append(self.unwaited(ledger.phase))
-                    return
-            if ledger.phase == "backward":            # a dW GEMM reads all of x_i and makes all of dW_i
-                made = out.numel() if isinstance(out, torch.Tensor) else -1
-                for t in operands:
-                    for name in self.prov.of(t):
-                        i = int(name[1:])
-                        if i not in self.rs_at_dw and t.numel() == self.x_numel[i] and made == self.w_numel[i]:
-                            self.rs_at_dw[i] = self.unwaited("backward")
+    def _track(self, out):
+        if isinstance(out, torch.Tensor):
+            self.gathers.setdefault(self.ledger.phase, []).append([weakref.ref(out), self._ptr(out), False])
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            name = func._opname
-            out = func(*args, **kwargs)
-            if func.namespace == "aten" and name in _GEMMS:
-                self._gemm(args, out)
-            self.prov.carry(func, args, kwargs, out)
-            if func.namespace == "c10d" and name in ("_allgather_base_", "allgather_into_tensor_coalesced_") and args:
-                for o in (args[0] if isinstance(args[0], (list, tuple)) else [args[0]]):
-                    self._track(o)
-            elif func.namespace == "_c10d_functional" and name == "all_gather_into_tensor":
-                self._track(out)
-            elif func.namespace == "c10d" and name in _RS_OPS:
-                self._track_rs(out)
-            return out
+    def _gemm(self, args, out):
+        mine = self.gathers.get(self.ledger.phase, [])
+        operands = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+                    if isinstance(t, torch.Tensor)]
+        ptrs = {self._ptr(t) for t in operands}
+        for j in range(len(mine) - 1, -1, -1):    # the newest live buffer with that storage
+            ref, ptr, read = mine[j]
+            if ptr is not None and ptr in ptrs and ref() is not None and self._ptr(ref()) == ptr:
+                if not read:
+                    mine[j][2] = True
+                    ahead = self.ahead.setdefault(self.ledger.phase, [])
+                    if self.ledger.phase == "forward":      # layer i's GEMM: its other operand is x_i
+                        i = len(ahead)
+                        for t in operands:
+                            if self._ptr(t) != ptr:
+                                self.prov.tag(t, f"x{i}")
+                                self.x_numel[i], self.w_numel[i] = t.numel(), ref().numel()
+                    ahead.append(len(mine) - (j + 1))
+                    self.rs_inflight.setdefault(self.ledger.phase, []).append(self.unwaited(self.ledger.phase))
+                return
+        if self.ledger.phase == "backward":            # a dW GEMM reads all of x_i and makes all of dW_i
+            made = out.numel() if isinstance(out, torch.Tensor) else -1
+            for t in operands:
+                for name in self.prov.of(t):
+                    i = int(name[1:])
+                    if i not in self.rs_at_dw and t.numel() == self.x_numel[i] and made == self.w_numel[i]:
+                        self.rs_at_dw[i] = self.unwaited("backward")
 
-    return PrefetchOrder()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._opname
+        out = func(*args, **kwargs)
+        if func.namespace == "aten" and name in _GEMMS:
+            self._gemm(args, out)
+        self.prov.carry(func, args, kwargs, out)
+        if func.namespace == "c10d" and name in ("_allgather_base_", "allgather_into_tensor_coalesced_") and args:
+            for o in (args[0] if isinstance(args[0], (list, tuple)) else [args[0]]):
+                self._track(o)
+        elif func.namespace == "_c10d_functional" and name == "all_gather_into_tensor":
+            self._track(out)
+        elif func.namespace == "c10d" and name in _RS_OPS:
+            self._track_rs(out)
+        return out
 
 
 def _run(mod, cfg, inp, ctx, overlap):
@@ -160,7 +158,7 @@ def _run(mod, cfg, inp, ctx, overlap):
     x = ctx.hand("x", inp["x"]).requires_grad_(True)    # this rank's micro-batch (N/t, in_0)
     dy = inp["dy"]
     watch = GatherWatch()
-    order = _prefetch_order(ctx.ledger)
+    order = PrefetchOrder(ctx.ledger)
     with watch, order, watch.saved_hooks():
         ctx.phase("forward")
         y = chain(x)
