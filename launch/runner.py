@@ -109,26 +109,26 @@ def _alive(pid: int) -> bool:
 
 def kill_job_processes(job_id: str) -> int:
     """Kill every process whose environment carries COURSE_JOB_ID=job_id; wait until they are gone."""
-    pids = job_processes(job_id)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 15
+    return kill_until_gone(lambda: job_processes(job_id))
+
+
+def kill_until_gone(find: Callable[[], list[int]], timeout: float = 15.0) -> int:
+    """SIGKILL what `find()` lists until it lists nothing alive (a process may still be forking when its parent
+    goes); returns how many processes were killed."""
+    killed: set[int] = set()
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        more = job_processes(job_id)          # forked after our first sweep
-        if not alive and not more:
+        pids = [p for p in find() if _alive(p)]
+        if not pids:
             break
-        for pid in more:
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        pids = list(set(pids) | set(more))
+        killed |= set(pids)
         time.sleep(0.05)
-    return len(pids)
+    return len(killed)
 
 
 def _killpg(pgid: int, sig: int):

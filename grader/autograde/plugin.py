@@ -30,14 +30,11 @@ class DeferredExecute(Execute):
 
 def verdict_outputs(report, names: list[str]) -> list[dict]:
     """A passing cell gets a stdout table; a failing one an AssertionError naming the cause."""
-    failed = [report.cases[n] for n in names if n in report.cases and not report.cases[n].passed]
-    if not failed:
-        rows = [ln for ln in report.table().splitlines()[1:-1] if ln.split()[0] in names]
-        text = "\n".join([report.table().splitlines()[0], *rows]) + "\n"
-        return [from_dict({"output_type": "stream", "name": "stdout", "text": text})]
-    msg = "\n".join(c.message() for c in failed)
-    return [from_dict({"output_type": "error", "ename": "AssertionError", "evalue": msg,
-                       "traceback": ["AssertionError: " + msg]})]
+    passed, text = report.cell_verdict(names)
+    if passed:
+        return [from_dict({"output_type": "stream", "name": "stdout", "text": text + "\n"})]
+    return [from_dict({"output_type": "error", "ename": "AssertionError", "evalue": text,
+                       "traceback": ["AssertionError: " + text]})]
 
 
 class TrustedChecks(NbGraderPreprocessor):

@@ -27,14 +27,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import site
 import sys
-import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
 from grader import ROOT
+from launch.runner import kill_until_gone
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 NOBODY = 65534
@@ -111,6 +110,14 @@ def _ancestors(path: str) -> list[str]:
 def unprivileged_uid() -> int | None:
     """The uid student code runs as: nobody when we are root, else None (keep our own identity)."""
     return NOBODY if os.geteuid() == 0 else None
+
+
+def _procs(cgroup: str) -> list[int]:
+    try:
+        with open(os.path.join(cgroup, "cgroup.procs")) as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
 
 
 def give_to(path: str, uid: int | None):
@@ -254,20 +261,7 @@ class Sandbox:
     def __exit__(self, *exc):
         pids_group = next((p for p in self.cgroups if "/pids/" in p), None)
         if pids_group:
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:   # a fork bomb's last children may still be forking
-                try:
-                    pids = [int(p) for p in open(os.path.join(pids_group, "cgroup.procs")).read().split()]
-                except OSError:
-                    break
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.05)
+            kill_until_gone(lambda: _procs(pids_group), timeout=20.0)   # a fork bomb's last children too
         for path in self.cgroups:
             try:
                 os.rmdir(path)

@@ -86,17 +86,31 @@ class Report:
     def passed(self) -> bool:
         return all(c.passed for c in self.cases.values())
 
-    def table(self) -> str:
+    def table(self, names: list[str] | None = None, footer: bool = True) -> str:
+        """One row per check and size (of `names`, default all): result, max |err|, communication; then how it ran."""
         rows = [f"{'check':<42} {'t':>3} {'result':<6} {'max|err|':>9}  communication (per rank)"]
         for c in self.cases.values():
+            if names is not None and c.name not in names:
+                continue
             for it in c.items:
                 res = "PASS" if it.passed else "FAIL"
                 err = f"{it.max_err:.1e}" if it.passed else "-"
                 rows.append(f"{c.name:<42} {it.t:>3} {res:<6} {err:>9}  {it.comm}")
+        if footer:
+            rows.append(self.footer())
+        return "\n".join(rows)
+
+    def footer(self) -> str:
         backend = getattr(self.run, "backend", "?")
         launcher = getattr(self.run, "launcher", "?")
-        rows.append(f"({backend}, {launcher} launcher, {self.seconds:.1f} s)")
-        return "\n".join(rows)
+        return f"({backend}, {launcher} launcher, {self.seconds:.1f} s)"
+
+    def cell_verdict(self, names: list[str]) -> tuple[bool, str]:
+        """One grade cell's checks: (passed, its table) or (failed, each failed check's message)."""
+        failed = [self.cases[n] for n in names if n in self.cases and not self.cases[n].passed]
+        if failed:
+            return False, "\n".join(c.message() for c in failed)
+        return True, self.table(names, footer=False)
 
 
 def rank_views(items: list[Item], inputs: dict) -> list[dict]:

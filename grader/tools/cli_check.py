@@ -62,18 +62,11 @@ def check_notebook(path: str, backend: str | None = None, execute: bool = True, 
     got = total = 0.0
     for _, cell, names, points in cells:
         gid = cell.metadata.get("nbgrader", {}).get("grade_id", "?")
-        failed = [report.cases[n] for n in names if not report.cases[n].passed]
+        passed, text = report.cell_verdict(names)
         total += points
-        if failed:
-            print(f"\n{gid}: 0/{points:g}")
-            for c in failed:
-                print(c.message())
-        else:
-            got += points
-            print(f"\n{gid}: {points:g}/{points:g}")
-            rows = report.table().splitlines()
-            print("\n".join([rows[0]] + [r for r in rows[1:-1] if r.split()[0] in names]))
-    print(f"\n{report.table().splitlines()[-1]}")
+        got += points if passed else 0
+        print(f"\n{gid}: {points if passed else 0:g}/{points:g}\n{text}")
+    print(f"\n{report.footer()}")
     for note in report.sandbox.get("notes", []):      # what the box could not do, said where it is seen
         print(f"sandbox: {note}")
     print(f"score: {got:g}/{total:g}")
