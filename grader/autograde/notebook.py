@@ -18,16 +18,21 @@ def cell_source(cell) -> str:
     return "".join(src) if isinstance(src, list) else src
 
 
-def module_sources(nb) -> dict[str, str]:
-    """{filename: text} as the %%writefile cells would leave the folder, in notebook order."""
-    files: dict[str, str] = {}
+def writefile_cells(nb):
+    """(cell, the %%writefile match, its source) of each code cell that writes a module, in notebook order."""
     for cell in nb.get("cells", []):
         if cell.get("cell_type") != "code":
             continue
         src = cell_source(cell).lstrip("\n")
         m = _WRITEFILE.match(src)
-        if not m:
-            continue
+        if m:
+            yield cell, m, src
+
+
+def module_sources(nb) -> dict[str, str]:
+    """{filename: text} as the %%writefile cells would leave the folder, in notebook order."""
+    files: dict[str, str] = {}
+    for _, m, src in writefile_cells(nb):
         body = src[m.end():]
         if body and not body.endswith("\n"):
             body += "\n"   # %%writefile writes the cell plus a newline

@@ -25,7 +25,7 @@ import re
 import nbformat
 
 from grader import ROOT
-from grader.autograde.notebook import _WRITEFILE, cell_source, module_sources
+from grader.autograde.notebook import cell_source, module_sources, writefile_cells
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 # a private file of the grading user's, as an instructor's token would be: no student code may read it
@@ -66,13 +66,7 @@ def lab_notebooks(week: str) -> tuple[dict, dict]:
 def replace_modules(nb, files: dict[str, str]):
     """Put each file's text in its first %%writefile cell; empty the cells that append to it."""
     done = set()
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        src = cell_source(cell).lstrip("\n")
-        m = _WRITEFILE.match(src)
-        if not m:
-            continue
+    for cell, m, _ in writefile_cells(nb):
         name = m.group(2).split("/")[-1]
         if name not in files:
             continue
