@@ -21,7 +21,9 @@ from tpkit.timeline import IssueLog, Provenance
 
 
 # -- the non-overlapped version, with plain collectives (all_gather_single / reduce_scatter_single split
-# dim 0, so the sequence dim is moved to the front) --------------------------------------------------------
+# dim 0, so the sequence dim is moved to the front). _all_gather_seq and _reduce_scatter_seq are the one copy of
+# reference/sp_layers.py's all_gather_seq / reduce_scatter_seq that a rank may see: a rank cannot import
+# reference/, and tpkit must not hold them (they are week 5's lab answer) ----------------------------------
 def _all_gather_seq(x, group):
     """(B, T/t, C) -> (B, T, C): every rank's sequence block, in rank order."""
     t = dist.get_world_size(group)
