@@ -22,7 +22,7 @@ class Contract:
     counts: phase -> {op: exact count}; an op not listed must not occur in that phase, and a phase not
         listed (e.g. "setup": from_dense, __init__) must have no collective at all, barriers included.
     unchecked: phases whose collectives are not the student's to answer for ("harness": the grader's own,
-        e.g. week 6's plain version; "setup" under DTensor, whose distribute_tensor scatters every weight).
+        e.g. week 6's plain version; "setup" where a framework's own setup communicates, e.g. DTensor's).
     allowed_ops: if set, no other op may occur in any phase (e.g. only send/recv).
     bytes_sent: phase (or "all") -> bytes one rank must send, within 1%.
     params: name -> shape each rank's module must hold (its shard, not the dense weight).
