@@ -2,7 +2,7 @@
 
 This module imports no torch (until results are read): a job's first launcher can then be started, held,
 before the trusted process imports torch. The launcher (in its sandbox) imports torch and the week's rank
-modules while this process imports torch, makes the inputs and computes the references; `run` releases it.
+modules while this process imports torch, makes the inputs and computes the references; `start` releases it.
 Two ~2 s imports overlap instead of following each other.
 """
 from __future__ import annotations
@@ -67,25 +67,32 @@ class Attempt:
                      cwd=self.outdir, interactive=self.interactive)
 
     def hold(self, weeks, pg_timeout: float) -> "Attempt":
-        """Start the launcher now (fork launcher only); it imports, then waits for `run`."""
+        """Start the launcher now (fork launcher only); it imports, then waits for `start`."""
         self.launch = self._start(None, weeks, 0.0, pg_timeout)
         return self
 
-    def run(self, spec: JobSpec, timeout: float):
-        """Run `spec.items` on max(t) ranks. Returns (run, results): the launch's RunResult and what each rank
-        wrote ({"ranks": {r: {item id: RankRecord}}, "progress", "untrusted", "world"})."""
-        world = world_of(spec.items)
+    def start(self, spec: JobSpec, timeout: float):
+        """Launch `spec.items` on max(t) ranks (release the held launcher, or start one); `finish` waits."""
+        self.world = world_of(spec.items)
         spec.save(os.path.join(self.here, "spec.json"))
         try:
             if self.launch is None:
-                self.launch = self._start(world, [it.week for it in spec.items], timeout, spec.pg_timeout)
+                self.launch = self._start(self.world, [it.week for it in spec.items], timeout, spec.pg_timeout)
             else:
-                self.launch.release(world, timeout)
+                self.launch.release(self.world, timeout)
+        except BaseException:
+            self.box.__exit__(None, None, None)
+            raise
+
+    def finish(self):
+        """Wait for the launch. Returns (run, results): the launch's RunResult and what each rank wrote
+        ({"ranks": {r: {item id: RankRecord}}, "progress", "untrusted", "world"})."""
+        try:
             run = self.launch.wait()
         finally:
             self.box.__exit__(None, None, None)
-        results = {"ranks": {}, "progress": {}, "untrusted": {}, "world": world}
-        for r in range(world):
+        results = {"ranks": {}, "progress": {}, "untrusted": {}, "world": self.world}
+        for r in range(self.world):
             results["ranks"][r], why = _load_rank_file(os.path.join(self.outdir, f"rank{r}.pt"), r, run)
             if why:
                 results["untrusted"][r] = why

@@ -253,7 +253,8 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
                                   or interactive):
             first.cancel()
             first = None
-        refs = _prepare(jobdir, items, sources)
+        inputs = _prepare(jobdir, items, sources)
+        refs = None
         together = graded_together or []
         verdicts: dict[str, ItemVerdict] = {}
         pending = items
@@ -264,8 +265,14 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
             spec = JobSpec(items=pending, pg_timeout=PG_TIMEOUT, graded_together=together,
                            inputs=os.path.join(jobdir, "inputs", "rank{rank}.pt"),
                            student=os.path.join(jobdir, "student"))
-            run, results = attempt.run(spec, timeout=job_wall_clock(len(pending), PG_TIMEOUT,
-                                                                    max(it.timeout for it in pending)))
+            attempt.start(spec, timeout=job_wall_clock(len(pending), PG_TIMEOUT, max(it.timeout for it in pending)))
+            if refs is None:        # the single-device references, computed while the first launch's ranks run
+                try:
+                    refs = _references(items, inputs)
+                except BaseException:
+                    attempt.cancel()
+                    raise
+            run, results = attempt.finish()
             runs.append(run)
             boxes.append(attempt.box)
             pending = _judge_launch(pending, run, results, refs, verdicts, together,
@@ -279,22 +286,27 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
 
 
 def _prepare(jobdir: str, items: list[Item], sources: dict[str, str]) -> dict:
-    """The job folder's student modules and each rank's own inputs; returns the references (kept here)."""
+    """The job folder's student modules and each rank's own inputs; returns the full inputs (kept here)."""
     os.makedirs(os.path.join(jobdir, "student"))
     for fname, text in sources.items():
         with open(os.path.join(jobdir, "student", os.path.basename(fname)), "w") as f:
             f.write(text)
-    inputs, refs = {}, {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for it in items:
-            case = get_case(it.case)
-            inputs[it.id] = case.make_inputs(it.config, torch.Generator().manual_seed(it.seed))
-            refs[it.id] = case.reference(it.config, {k: v.clone() for k, v in inputs[it.id].items()})
+        inputs = {it.id: get_case(it.case).make_inputs(it.config, torch.Generator().manual_seed(it.seed))
+                  for it in items}
     os.makedirs(os.path.join(jobdir, "inputs"), mode=0o700)   # the grader's: see Attempt.own_inputs
     for j, own in enumerate(rank_views(items, inputs)):
         torch.save(own, os.path.join(jobdir, "inputs", f"rank{j}.pt"))
-    return refs
+    return inputs
+
+
+def _references(items: list[Item], inputs: dict) -> dict:
+    """Each item's single-device reference, from the full inputs (independent of any student's sharding)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {it.id: get_case(it.case).reference(it.config, {k: v.clone() for k, v in inputs[it.id].items()})
+                for it in items}
 
 
 def _judge_launch(pending: list[Item], run, results: dict, refs: dict, verdicts: dict, together,
