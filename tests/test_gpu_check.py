@@ -94,11 +94,11 @@ def test_labs_run_at_the_sizes_the_gpus_allow():
         else:
             assert two == tuple(t for t in sizes if t <= 2), week
     assert all(skip and skip.endswith("ranks (one GPU each); this node has 1") for *_, skip in gpu_check.plan(1))
-    from grader.judge.case import get_case
-    before = get_case("week02/column_parallel").world_sizes
+    from grader.judge.job import plan_items
+    before = [it.t for it in plan_items(["week02/column_parallel"])]
     with gpu_check.capped_sizes(2):
-        assert max(get_case("week02/column_parallel").world_sizes) == 2
-    assert get_case("week02/column_parallel").world_sizes == before
+        assert max(it.t for it in plan_items(["week02/column_parallel"])) == 2
+    assert [it.t for it in plan_items(["week02/column_parallel"])] == before
 
 
 def test_lecture_gpu_cells_and_nsys_recipes(tmp_path):

@@ -95,11 +95,3 @@ def get_case(name: str) -> Case:
         known = ", ".join(sorted(_REGISTRY)) or "none"
         raise KeyError(f"no check named {name!r}. Known checks: {known}")
     return _REGISTRY[name]
-
-
-def all_cases() -> dict[str, Case]:
-    import pkgutil
-    import grader.cases
-    for m in pkgutil.iter_modules(grader.cases.__path__):
-        importlib.import_module(f"grader.cases.{m.name}")
-    return dict(_REGISTRY)

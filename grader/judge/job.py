@@ -126,13 +126,23 @@ def rank_views(items: list[Item], inputs: dict) -> list[dict]:
     return views
 
 
+MAX_RANKS_ENV = "COURSE_MAX_RANKS"   # the most ranks this machine runs (a GPU node with fewer GPUs: gpu-check)
+
+
+def runnable_sizes(world_sizes, max_ranks: int | None) -> tuple[int, ...]:
+    """A case's sizes up to `max_ranks`; all of them when none fits (the launch then says why it cannot run)."""
+    return tuple(t for t in world_sizes if max_ranks is None or t <= max_ranks) or tuple(world_sizes)
+
+
 def plan_items(names: list[str], fresh_seed: bool = True) -> list[Item]:
+    max_ranks = int(os.environ[MAX_RANKS_ENV]) if os.environ.get(MAX_RANKS_ENV) else None
     items = []
     for name in names:
         case = get_case(name)
         seed = case.seed if case.seed is not None else (secrets.randbits(31) if fresh_seed else 12345)
         items += [Item(id=f"{name}@t{t}", case=name, module=case.module, run_rank=case.run_rank, t=t, seed=seed,
-                       config=case.config, timeout=case.timeout or ITEM_TIMEOUT) for t in case.world_sizes]
+                       config=case.config, timeout=case.timeout or ITEM_TIMEOUT)
+                  for t in runnable_sizes(case.world_sizes, max_ranks)]
     return items
 
 

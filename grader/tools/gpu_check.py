@@ -78,17 +78,17 @@ def plan(gpus: int) -> list[tuple[str, str, tuple[int, ...], str | None]]:
 
 @contextlib.contextmanager
 def capped_sizes(gpus: int):
-    """Every case's world sizes cut to those up to `gpus` while a lab is checked on this node."""
-    from grader.judge.case import all_cases
-    cases = all_cases()
-    saved = {name: c.world_sizes for name, c in cases.items()}
+    """While a lab is checked on this node, every check runs at its sizes up to `gpus` (COURSE_MAX_RANKS)."""
+    from grader.judge.job import MAX_RANKS_ENV
+    saved = os.environ.get(MAX_RANKS_ENV)
+    os.environ[MAX_RANKS_ENV] = str(gpus)
     try:
-        for c in cases.values():
-            c.world_sizes = tuple(t for t in c.world_sizes if t <= gpus) or c.world_sizes
         yield
     finally:
-        for name, c in cases.items():
-            c.world_sizes = saved[name]
+        if saved is None:
+            os.environ.pop(MAX_RANKS_ENV, None)
+        else:
+            os.environ[MAX_RANKS_ENV] = saved
 
 
 def gpu_lectures(root: str = ROOT) -> list[str]:
