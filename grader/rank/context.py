@@ -27,6 +27,12 @@ class RankContext:
         self.handed.append((name, t, t.detach().clone()))
         return t
 
+    def hand_module(self, name: str, module: torch.nn.Module) -> torch.nn.Module:
+        """Give a dense module to the student's code (e.g. `from_dense`): it may read it, never write into it."""
+        for n, p in module.named_parameters():
+            self.hand(f"{name}.{n}", p)
+        return module
+
     def check_handed(self):
         """A function may not write into the tensors it is given (its caller still needs them)."""
         for name, t, copy in self.handed:

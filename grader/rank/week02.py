@@ -18,10 +18,7 @@ def _dense(w, b, ctx=None, name="linear"):
         lin.weight.copy_(w)
         if b is not None:
             lin.bias.copy_(b)
-    if ctx is not None:      # from_dense may read the dense layer, never write into it
-        for n, p in lin.named_parameters():
-            ctx.hand(f"{name}.{n}", p)
-    return lin
+    return lin if ctx is None else ctx.hand_module(name, lin)
 
 
 def run_column(mod, cfg, inp, ctx):

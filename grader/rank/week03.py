@@ -33,8 +33,7 @@ def _grads(module, names):
 def _run(kind, mod, cfg, inp, ctx):
     cls = mod.TPAttention if kind == "attention" else mod.TPDecoderLayer
     dense = _dense(kind, cfg, inp)
-    for n, p in dense.named_parameters():     # from_dense may read the dense module, never write into it
-        ctx.hand(f"dense.{n}", p)
+    ctx.hand_module("dense", dense)
     layer = cls.from_dense(dense, group=ctx.group)
     ctx.record_params(layer)
     x = ctx.hand("hidden_states", inp["x"].clone()).requires_grad_(True)

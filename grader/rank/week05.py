@@ -99,8 +99,7 @@ def run_sequence_ops(mod, cfg, inp, ctx):
 
 def run_block(mod, cfg, inp, ctx):
     dense = handed(DecoderLayer(layer_config(cfg)), inp)
-    for n, p in dense.named_parameters():     # from_dense may read the dense layer, never write into it
-        ctx.hand(f"dense.{n}", p)
+    ctx.hand_module("dense", dense)
     before = snapshot(dense)
     layer = mod.SPDecoderLayer.from_dense(dense, group=ctx.group)
     check_untouched(dense, before, "DecoderLayer")
@@ -151,8 +150,7 @@ def run_model(mod, cfg, inp, ctx):
     logit columns back; backward from this rank's columns of a random dlogits (what a vocab-parallel
     cross-entropy hands back, and all the rank receives of it)."""
     dense = handed(ForCausalLM(lm_config(cfg)), inp)
-    for n, p in dense.named_parameters():
-        ctx.hand(f"dense.{n}", p)
+    ctx.hand_module("dense", dense)
     before = snapshot(dense)
     model = mod.SPCausalLM.from_dense(dense, group=ctx.group)
     check_untouched(dense, before, "ForCausalLM")
