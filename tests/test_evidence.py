@@ -173,3 +173,14 @@ def test_schedules_are_simulated_where_the_student_cannot_reach():
     msg = rep.cases["week09/schedule"].message()
     assert not rep.passed, msg
     assert "runs each F(mb) and B(mb) once" in msg, msg          # the trusted simulator saw no backward
+
+
+def test_a_forged_deadlock_exit_status_still_ends_in_a_verdict():
+    """A rank that leaves with the harness's 'gave up on a deadlock' status (os._exit(3)) without a verdict of
+    its own is judged like any rank that died: every launch judges at least one check, so the job ends."""
+    from grader.judge.job import run_checks
+    from grader.rank.exchange import DEADLOCKED
+    module = f"import os\nos._exit({DEADLOCKED})\n" + solution_modules("week02")["tp_linear.py"]
+    rep = run_checks(["week02/column_parallel", "week02/row_parallel"], {"tp_linear.py": module}, sandbox="off")
+    assert not rep.passed and len(rep.runs) <= 2, [r.seconds for r in rep.runs]
+    assert f"exit status {DEADLOCKED}" in rep.cases["week02/column_parallel"].message()

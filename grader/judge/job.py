@@ -364,8 +364,11 @@ def _judgeable(items: list[Item], run, results: dict) -> list[Item]:
     if not ended_early or all(complete):
         return items
     done = [it for it, ok in zip(items, complete) if ok]
-    if DEADLOCKED in run.exitcodes.values():
-        return done         # a rank left a deadlocked check with its verdict written: the job stopped for that
+    if done and DEADLOCKED in run.exitcodes.values():
+        # a rank left a deadlocked check with its verdict written: the job stopped for that one, the next never
+        # started. An exit status is the student's to forge, so this never holds a launch that judged nothing:
+        # every launch judges at least one item, and a job always ends
+        return done
     return done + [items[complete.index(False)]]
 
 
