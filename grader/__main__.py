@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 
+# the grader forks (autograde workers, launchers) from processes that use torch: an OpenMP pool started with
+# several threads before a fork hangs the child's first parallel op, so one thread unless the caller says otherwise
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # jsonschema (under nbformat) imports the optional rfc3987_syntax, which builds a grammar for 1.5 s at
 # import; notebooks never use its IRI format: one blocked import makes every command that far faster
 sys.modules.setdefault("rfc3987_syntax", None)

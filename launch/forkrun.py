@@ -92,9 +92,18 @@ def open_own_inputs(rank: int):
         os.environ["COURSE_INPUT_FD"] = str(os.open(template.format(rank=rank), os.O_RDONLY))
 
 
-def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd, result_fd):
+def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd, result_fd, board_fd):
     apply_rlimits()
-    open_own_inputs(rank)
+    if board_fd is not None:     # the switchboard carries this rank's collectives; it holds the inputs too
+        os.environ["COURSE_SWITCHBOARD_FD"] = str(board_fd)
+        if os.environ.pop("COURSE_ISOLATE", None):     # each rank alone (the grader's box, as root)
+            from launch.isolation import close_inherited, isolate, rank_uid
+            close_inherited({write_fd, result_fd, board_fd})
+            uid = rank_uid(int(os.environ["COURSE_RANK_UID"]), rank)
+            isolate(rank, os.getcwd(), uid)
+            os.environ.update(COURSE_RANK_UID=str(uid), USER=f"rank{rank}")
+    else:
+        open_own_inputs(rank)
     drop_privileges()
     os.dup2(write_fd, 1)
     os.dup2(write_fd, 2)
@@ -167,6 +176,7 @@ class Ranks:
     def __init__(self, nproc: int, out):
         self.nproc, self.out = nproc, out
         self.sel = selectors.DefaultSelector()
+        self.board = None                                       # launch.switchboard.Switchboard, if any
         self.pids: dict[int, int] = {}                          # pid -> rank
         self.bufs: dict[int, tuple[int, bytes]] = {}            # output fd -> (rank, partial line)
         self.result_bufs: dict[int, tuple[int, bytes]] = {}     # result fd -> (rank, partial line)
@@ -175,25 +185,45 @@ class Ranks:
         self.exitcodes: dict[int, int] = {}
         self.order: list[int] = []
 
+    def start_switchboard(self, record_dir: str):
+        """COURSE_SWITCHBOARD=record_dir: this launcher carries the ranks' collectives (launch.switchboard)."""
+        from launch.switchboard import Switchboard, load_inputs
+        template = os.environ.pop("COURSE_RANK_INPUTS", "")
+        self.board = Switchboard(self.nproc, self.sel, load_inputs(template, self.nproc) if template else {},
+                                 record_dir)
+
     def fork_all(self, target: str, is_module: bool, args: list[str]):
         port, run_id = free_port(), uuid.uuid4().hex[:8]
         for rank in range(self.nproc):
             r, w = os.pipe()
             rr, rw = os.pipe()
+            mine, theirs = socket.socketpair() if self.board else (None, None)
             pid = os.fork()
             if pid == 0:
                 os.close(r)
                 os.close(rr)
                 for other in list(self.bufs) + list(self.result_bufs):   # no rank holds another's pipes
                     os.close(other)
-                _rank_main(rank, self.nproc, port, run_id, target, is_module, args, w, rw)
+                board_fd = None
+                if self.board:                                           # ... nor another's link
+                    for fd in list(self.board.conns):
+                        os.close(fd)
+                    mine.close()
+                    board_fd = theirs.detach()
+                _rank_main(rank, self.nproc, port, run_id, target, is_module, args, w, rw, board_fd)
             os.close(w)
             os.close(rw)
+            if self.board:
+                theirs.close()
+                self.board.attach(rank, mine)
             self.pids[pid] = rank
             self.bufs[r] = (rank, b"")
             self.result_bufs[rr] = (rank, b"")
             self.sel.register(r, selectors.EVENT_READ)
             self.sel.register(rr, selectors.EVENT_READ)
+
+    def output_open(self) -> bool:
+        return bool(self.bufs.keys() & self.sel.get_map().keys() or self.result_bufs.keys() & self.sel.get_map().keys())
 
     def stop_all(self, sig):
         for pid, rank in self.pids.items():
@@ -205,8 +235,11 @@ class Ranks:
 
     def relay(self, timeout: float):
         """Copy what the ranks printed (prefixed, capped) and keep the last line each declared on its own pipe."""
-        for key, _ in self.sel.select(timeout=timeout):
+        for key, events in self.sel.select(timeout=timeout):
             fd = key.fd
+            if self.board and self.board.owns(fd):
+                self.board.on_ready(fd, events)
+                continue
             table = self.result_bufs if fd in self.result_bufs else self.bufs
             rank, buf = table[fd]
             chunk = os.read(fd, 4096 if table is self.result_bufs else 65536)
@@ -252,6 +285,8 @@ class Ranks:
         return codes
 
     def declare(self):
+        if self.board:
+            self.board.write_record()
         # unprefixed, so no rank can print one: every rank line carries "[rank r]"
         for rank, line in sorted(self.declared.items()):
             self.out.write(b"@@result %d " % rank + line + b"\n")
@@ -276,6 +311,8 @@ def launch_ranks(nproc: int, target: str, is_module: bool, args: list[str]) -> i
     if is_module and "" not in sys.path:
         sys.path.insert(0, "")
     ranks = Ranks(nproc, sys.stdout.buffer)
+    if os.environ.get("COURSE_SWITCHBOARD"):
+        ranks.start_switchboard(os.environ.pop("COURSE_SWITCHBOARD"))
     ranks.fork_all(target, is_module, args)
 
     def stopped(*_):
@@ -297,7 +334,7 @@ def launch_ranks(nproc: int, target: str, is_module: bool, args: list[str]) -> i
         if len(ranks.exitcodes) == nproc:
             # every rank is gone; a daemon a rank left behind may hold its pipe open forever
             drain_until = drain_until or time.monotonic() + 0.3
-            if not ranks.sel.get_map() or time.monotonic() > drain_until:
+            if not ranks.output_open() or time.monotonic() > drain_until:
                 break
         ranks.relay(timeout=0.05)
         for code in ranks.reap():

@@ -79,6 +79,19 @@ def _all_to_all_single(args, functional: bool, t: int) -> dict:
             "out_splits": list(out_splits), "sent": float((sum(rows) - rows[me]) * row_bytes)}
 
 
+_REDUCE_OPS = {0: "sum", 1: "avg", 2: "product", 3: "min", 4: "max"}
+
+
+def _reduce_op(args, functional: bool) -> str:
+    """"sum", "max", ...: a functional op names it; a c10d op passes a ReduceOp object."""
+    for a in args[1:]:
+        if functional and isinstance(a, str):
+            return a.lower()
+        if isinstance(a, torch.ScriptObject) and "ReduceOp" in str(a._type()):
+            return _REDUCE_OPS.get(int(a.op()), "other")
+    return "sum"
+
+
 def ring_bytes_sent(op: str, full_bytes: int, t: int) -> float:
     """Bytes one rank sends for `op` on a ring of t ranks (full_bytes = the full tensor)."""
     if t <= 1:
@@ -165,6 +178,8 @@ class CommLedger(MeasuringMode):
                  "sent": float(ring_bytes_sent(op, full, t)), "group": t}
         if op == "all_to_all" and args and isinstance(args[0], torch.Tensor):
             entry.update(_all_to_all_single(args, functional, t))
+        if op in ("all_reduce", "reduce_scatter"):
+            entry["reduce"] = _reduce_op(args, functional)
         return entry
 
     # summaries -------------------------------------------------------------

@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from grader.judge.case import Case, Contract, register
-from grader.rank.week04 import MAX_REDUCES, WEIGHT_SHARD, upstream
+from grader.rank.week04 import WEIGHT_SHARD, upstream
 
 MODULE = "vocab_parallel"
 PAD_LOGIT = 30.0   # what a padded lm_head row might produce: must never win
@@ -149,6 +149,15 @@ def _ce_expected(cfg, ref, r, t):
             MAX_REDUCES: torch.tensor([1])}
 
 
+MAX_REDUCES = "forward all-reduces with ReduceOp.MAX"
+
+
+def _max_reduces(cfg, record: list) -> dict:
+    """The forward all-reduces whose op is MAX, from the record of the rank's collectives."""
+    n = sum(e.get("op") == "all_reduce" and e.get("reduce") == "max" and e.get("phase") == "forward" for e in record)
+    return {MAX_REDUCES: torch.tensor([n])}
+
+
 def _ce_contract(cfg, t):
     units = 4 if cfg["smoothing"] > 0 else 3
     return Contract(
@@ -201,5 +210,6 @@ for name, ws, cfg, seed in EMB:
 for name, ws, cfg, seed in CE:
     register(Case(name=f"week04/{name}", module=MODULE, world_sizes=ws, config=cfg, make_inputs=_ce_inputs,
                   reference=_ce_reference, run_rank="run_cross_entropy", expected=_ce_expected, contract=_ce_contract,
+                  from_record=_max_reduces,
                   seed=seed, hidden=seed is None, rank_inputs=_own_logits, title="vocab-parallel cross-entropy",
                   hints=HINTS))

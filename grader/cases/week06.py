@@ -130,10 +130,11 @@ def _expect_rs(cfg, ref, r, t):
     return out
 
 
-def _ring_contract(phases):
+def _ring_contract(phases, harness: dict | None = None):
+    """One ring per phase; `harness`: the collectives of the grader's own plain version, run after the student's."""
     def contract(cfg, t):
         ring = {"send": t - 1, "recv": t - 1}
-        return Contract(counts={p: dict(ring) for p in phases},
+        return Contract(counts={**{p: dict(ring) for p in phases}, **({"harness": harness} if harness else {})},
                         why={p: "one ring: t-1 sends and t-1 receives per rank (batch_isend_irecv of one send and "
                                 "one recv per step), and no collective." for p in phases})
     return contract
@@ -164,13 +165,13 @@ def _cfg(**kw):
 for name, cfg, seed in [("ag_matmul", _cfg(), 10), ("ag_matmul_hidden", _cfg(B=3, T=12, **{"in": 8, "out": 20}), None)]:
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_ag_matmul", expected=_expect_ag,
-                  contract=_ring_contract(("forward",)), seed=seed, hidden=seed is None, title="ring AG+GEMM",
+                  contract=_ring_contract(("forward",), harness={"all_gather": 1}), seed=seed, hidden=seed is None, title="ring AG+GEMM",
                   rank_inputs=_own_ag,
                   hints=HINTS))
 for name, cfg, seed in [("matmul_rs", _cfg(), 11), ("matmul_rs_hidden", _cfg(B=1, T=12, **{"in": 20, "out": 8}), None)]:
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_matmul_rs", expected=_expect_rs,
-                  contract=_ring_contract(("forward",)), seed=seed, hidden=seed is None, title="GEMM+ring RS",
+                  contract=_ring_contract(("forward",), harness={"reduce_scatter": 1}), seed=seed, hidden=seed is None, title="GEMM+ring RS",
                   rank_inputs=_own_rs,
                   hints=HINTS))
 for name, cfg, seed in [("column_linear", _cfg(kind="column"), 12), ("row_linear", _cfg(kind="row"), 13),
@@ -219,7 +220,8 @@ def _expect_sp_column(cfg, ref, r, t):
 def _sp_column_contract(cfg, t):
     n_x = cfg["B"] * cfg["T"] * cfg["in"] * 4                 # bytes of the gathered X (B, T, C), fp32; dX the same
     ring = (t - 1) / t * n_x
-    return Contract(counts={"forward": {"all_gather": 1}, "backward": {"all_gather": 1, "reduce_scatter": 1}},
+    return Contract(counts={"forward": {"all_gather": 1}, "backward": {"all_gather": 1, "reduce_scatter": 1},
+                            "harness": {"all_gather": 1, "reduce_scatter": 1}},   # the plain version, the grader's
                     bytes_sent={"forward": ring, "backward": 2 * ring},
                     params={"weight": (cfg["out"] // t, cfg["in"])},
                     why={"forward": "one all-gather of x along T: the GEMM needs the whole sequence.",

@@ -67,7 +67,6 @@ import torch
 from grader.judge.case import Case, Contract, register
 from grader.rank.week09 import (
     BUBBLE,
-    BYTES,
     EXTRA_IDLE,
     EXTRA_PEAK,
     GRADS,
@@ -75,7 +74,6 @@ from grader.rank.week09 import (
     ONCE,
     ONCE_FBW,
     ORDER,
-    OTHER,
     PEAK,
     RUN_ORDER,
     SCENARIOS,
@@ -93,6 +91,16 @@ from grader.rank.week09 import (
 )
 from reference import planner, schedules
 from tpkit import pipeline as pl
+
+BYTES = "bytes sent by this stage"
+OTHER = "collectives other than send/recv"
+
+
+def _pipeline_record(cfg, record: list) -> dict:
+    """What this stage sent, from the record of its collectives: bytes in sends, and anything that is not P2P."""
+    return {BYTES: torch.tensor(sum(e["sent"] for e in record), dtype=torch.float64),
+            OTHER: torch.tensor(float(sum(e.get("op") not in ("send", "recv") for e in record)), dtype=torch.float64)}
+
 
 MODULE = "pipeline_lab"
 
@@ -227,7 +235,7 @@ for name, cfg, seed in [
                                            num_key_value_heads=2), "batch": 6, "seq": 5, "micro_batches": 3}, None)]:
     register(Case(name=f"week09/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_pipe_inputs,
                   reference=_pipe_ref, run_rank="run_pipeline", expected=_expect_pipe, contract=None,
-                  rank_inputs=_own_pipe,
+                  rank_inputs=_own_pipe, from_record=_pipeline_record,
                   seed=seed, hidden=seed is None, title="pipeline over send/recv", hints=_pipe_hints(cfg)))
 
 

@@ -43,15 +43,28 @@ from __future__ import annotations
 import torch
 
 from grader.judge.case import Case, Contract, register
-from grader.rank.week11 import SENT, SPLITS
 from reference.expert_parallel import dense_moe, route
 
 MODULE = "moe_ep"
 ROW_HINT = ("Rows go to ranks in rank order: in_splits[s] rows to rank s, out_splits[s] from rank s "
             "(dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group)).")
-LEDGER_HINT = ("The split sizes and bytes are the ledger's record of your all-to-alls of (rows, H) tensors. Only "
+SPLITS = "dispatch split sizes (record): rows sent to each rank, then rows received from each"
+SENT = "bytes of rows sent by this rank (record): forward, backward"
+LEDGER_HINT = ("The split sizes and bytes are the record of your all-to-alls of (rows, H) tensors. Only "
                "the KEPT assignments are sent, each to the rank that holds its expert (rank r holds experts "
                "r*E/t:(r+1)*E/t); drop before the dispatch, not after it.")
+
+
+def all_to_all_record(cfg, record: list) -> dict:
+    """What this rank's all-to-alls of (rows, H) tensors moved: bytes sent per phase, the first one's splits."""
+    rows = [e for e in record if e.get("op") == "all_to_all" and len(e.get("shape", [])) == 2
+            and e["shape"][1] == cfg["H"]]
+    out = {SENT: torch.tensor([sum(e["sent"] for e in rows if e.get("phase") == ph) for ph in ("forward", "backward")],
+                              dtype=torch.float64)}
+    if rows and rows[0].get("phase") == "forward":
+        out[SPLITS] = torch.tensor(list(rows[0].get("in_splits", [])) + list(rows[0].get("out_splits", [])),
+                                   dtype=torch.int64)
+    return out
 
 
 # -- task 1: routing ---------------------------------------------------------------------------------
@@ -155,7 +168,8 @@ for name, cfg, seed in [("all_to_all", {"E": 8, "H": 8, "max_count": 3}, 12),
                         ("all_to_all_hidden", {"E": 4, "H": 6, "max_count": 5}, None)]:
     register(Case(name=f"week11/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_a2a_inputs,
                   rank_inputs=_a2a_rank_inputs, reference=lambda cfg, d: d, run_rank="run_all_to_all",
-                  expected=_a2a_expected, contract=_a2a_contract, seed=seed, hidden=seed is None,
+                  expected=_a2a_expected, contract=_a2a_contract, from_record=all_to_all_record, seed=seed,
+                  hidden=seed is None,
                   title="exchange_counts + AllToAll", hints=A2A_HINTS))
 
 
@@ -227,5 +241,6 @@ for name, cfg, seed in [("ep_layer", LAYER, 13),
                         ("ep_layer_hidden", dict(LAYER, N=15, F=8, E=4), None)]:
     register(Case(name=f"week11/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_layer_inputs,
                   rank_inputs=_layer_rank_inputs, reference=_layer_reference, run_rank="run_layer",
-                  expected=_layer_expected, contract=_layer_contract, seed=seed, hidden=seed is None,
+                  expected=_layer_expected, contract=_layer_contract, from_record=all_to_all_record, seed=seed,
+                  hidden=seed is None,
                   title="EPMoE", hints=LAYER_HINTS))

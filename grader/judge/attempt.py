@@ -15,7 +15,7 @@ import shutil
 import tempfile
 
 from grader import ROOT
-from grader.rank.exchange import JobSpec, records_from_saved, world_of
+from grader.rank.exchange import SWITCHBOARD_VERDICT, JobSpec, RankRecord, records_from_saved, world_of
 from grader.box.sandbox import Sandbox, give_to
 from grader.judge.timeouts import KILL_GRACE, PG_TIMEOUT, STOP_GRACE
 from launch.backend import fork_launcher_likely
@@ -42,17 +42,21 @@ class Attempt:
                            setpriv=launcher == "torchrun", mode=mode).__enter__()
         give_to(jobdir, self.box.uid)       # read-only inside the box; the unprivileged uid must still enter it
         give_to(self.here, self.box.uid)
+        os.chmod(jobdir, 0o711)             # each rank has a uid of its own: it may pass, not list
         inputs = os.path.join(jobdir, "inputs")
-        # each rank's inputs: the fork launcher opens rank r's file for rank r before it drops to the box's uid,
-        # so the folder stays the grader's; torchrun's ranks start as that uid and must read it themselves
-        self.own_inputs = self.box.uid is not None and launcher != "torchrun"
+        # the fork and warm launchers carry the ranks' collectives on their switchboard (launch.switchboard),
+        # which records them where no rank can reach and hands each rank its own inputs item by item;
+        # torchrun's ranks (GPUs) talk gloo/NCCL to each other and read their inputs themselves
+        self.switchboard = launcher != "torchrun"
+        self.isolated = self.switchboard and self.box.uid is not None
         if os.path.isdir(inputs) and self.box.uid is not None:
-            os.chmod(inputs, 0o700 if self.own_inputs else 0o755)
-        if self.box.uid is not None and not self.own_inputs:
-            self.box.notes.append("torchrun ranks start unprivileged: a rank could read another rank's inputs")
+            os.chmod(inputs, 0o700 if self.switchboard else 0o755)
+        if not self.switchboard:
+            self.box.notes.append("torchrun ranks talk to each other directly: their communication is recorded "
+                                  "by the ranks themselves, and a rank could read another rank's inputs")
         elif self.box.prefix and self.box.uid is None:
-            self.box.notes.append("not run as root: the ranks share your uid, so a rank could read another "
-                                  "rank's inputs")
+            self.box.notes.append("not run as root: the ranks share your uid and are not isolated from each other "
+                                  "(a file or socket could carry data the switchboard does not see)")
         self.launch = None
 
     def _start(self, nproc: int | None, weeks, timeout: float, pg_timeout: float):
@@ -62,8 +66,9 @@ class Attempt:
                      preload=preloads(weeks), wrap=tuple(self.box.prefix),
                      base_env=self.box.base_env(os.environ),
                      env={"PYTHONPATH": _pythonpath(ROOT), "COURSE_STOP_GRACE": str(STOP_GRACE), **self.box.env,
-                          **({"COURSE_RANK_INPUTS": os.path.join(self.jobdir, "inputs", "rank{rank}.pt")}
-                             if self.own_inputs else {})},
+                          **({"COURSE_RANK_INPUTS": os.path.join(self.jobdir, "inputs", "rank{rank}.pt"),
+                              "COURSE_SWITCHBOARD": self.record_dir} if self.switchboard else {}),
+                          **({"COURSE_ISOLATE": "1"} if self.isolated else {})},
                      cwd=self.outdir, interactive=self.interactive)
 
     def hold(self, weeks, pg_timeout: float) -> "Attempt":
@@ -74,6 +79,7 @@ class Attempt:
     def start(self, spec: JobSpec, timeout: float):
         """Launch `spec.items` on max(t) ranks (release the held launcher, or start one); `finish` waits."""
         self.world = world_of(spec.items)
+        self.items = spec.items
         spec.save(os.path.join(self.here, "spec.json"))
         try:
             if self.launch is None:
@@ -91,13 +97,28 @@ class Attempt:
             run = self.launch.wait()
         finally:
             self.box.__exit__(None, None, None)
+        if self.switchboard and run is not None:
+            run.backend = "switchboard"    # what carried the collectives (the report's footer says it)
         results = {"ranks": {}, "progress": {}, "untrusted": {}, "world": self.world}
+        comm = _load_comm_record(self.record_dir) if self.switchboard else {}
         for r in range(self.world):
-            results["ranks"][r], why = _load_rank_file(os.path.join(self.outdir, f"rank{r}.pt"), r, run)
+            if self.switchboard:
+                results["ranks"][r], why = _records_from_switchboard(self.record_dir, r, self.items, comm)
+            else:
+                results["ranks"][r], why = _load_rank_file(os.path.join(self.outdir, f"rank{r}.pt"), r, run)
             if why:
                 results["untrusted"][r] = why
-            results["progress"][r] = read_progress(os.path.join(self.outdir, f"rank{r}.progress"))
+            results["progress"][r] = read_progress(os.path.join(self.rank_dir(r), f"rank{r}.progress"))
         return run, results
+
+    @property
+    def record_dir(self) -> str:
+        """Where the launcher's switchboard writes: no rank can see it (an isolated rank's out/ is its own)."""
+        return os.path.join(self.outdir, "switchboard")
+
+    def rank_dir(self, r: int) -> str:
+        """What rank r sees as out/: its own folder when isolated (launch.isolation)."""
+        return os.path.join(self.outdir, f"rank{r}") if self.isolated else self.outdir
 
     def cancel(self):
         """Give the attempt up unused: its held launcher stops, its folder goes."""
@@ -153,6 +174,51 @@ def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
         return records_from_saved(saved), None
     except ValueError as exc:
         return {}, f"rank {rank}'s results are malformed ({exc}): results are ignored."
+
+
+COMM_LIMIT = 64 << 20       # bytes: the switchboard's record of one launch
+
+
+def _load_comm_record(record_dir: str) -> dict:
+    """{item index: {"entries": {rank: [...]}, "events": [...]}} as the launcher's switchboard wrote it."""
+    import json
+    try:
+        data = read_regular(os.path.join(record_dir, "comm.json"), COMM_LIMIT)
+        return {int(k): v for k, v in json.loads(data)["items"].items()} if data else {}
+    except (UnsafeFile, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _records_from_switchboard(record_dir: str, rank: int, items, comm: dict) -> tuple[dict, str | None]:
+    """Rank r's records ({item id: RankRecord}): what it handed the switchboard at each item's end, with the
+    switchboard's own record of its collectives as the ledger, and the switchboard's verdict on it (it waited in
+    a deadlock, the ranks disagreed on a collective) as its error, whatever the rank said."""
+    import torch
+    out = {}
+    for index, item in enumerate(items):
+        path = os.path.join(record_dir, f"rank{rank}", f"{index}.pt")
+        try:
+            data = read_regular(path, RESULT_LIMIT)
+        except UnsafeFile as exc:
+            return out, f"rank {rank}'s results cannot be read safely ({exc}): results are ignored."
+        if data is None:
+            continue
+        try:
+            saved = torch.load(io.BytesIO(data), weights_only=True)
+        except Exception:   # noqa: BLE001
+            return out, (f"rank {rank}'s result for {item.id} is not a plain tensor file (the safe loader refused "
+                         "it): results are ignored.")
+        try:
+            rec = RankRecord.from_saved(saved)
+        except ValueError as exc:
+            return out, f"rank {rank}'s result for {item.id} is malformed ({exc}): results are ignored."
+        seen = comm.get(index, {})
+        rec.ledger = list(seen.get("entries", {}).get(str(rank), []))
+        for event in seen.get("events", []):
+            if rank in event.get("ranks", []):
+                rec.error = f"{SWITCHBOARD_VERDICT}{event.get('msg', '')}"
+        out[item.id] = rec
+    return out, None
 
 
 def _pythonpath(root: str) -> str:

@@ -21,8 +21,10 @@ class Contract:
 
     counts: phase -> {op: exact count}; an op not listed must not occur in that phase, and a phase not
         listed (e.g. "setup": from_dense, __init__) must have no collective at all, barriers included.
-    unchecked: phases whose collectives are not the student's to answer for ("harness": the grader's own,
-        e.g. week 6's plain version; "setup" where a framework's own setup communicates, e.g. DTensor's).
+    unchecked: phases whose collectives are not counted ("setup" and "harness" in week 7, where DTensor's own
+        setup and the grader's reading of Partial grads communicate as the student's plan decides). A rank names
+        its phase itself, so a collective it labels unchecked is hidden: where the grader's own collectives are
+        known, count them instead (week 6's plain version: counts["harness"]).
     allowed_ops: if set, no other op may occur in any phase (e.g. only send/recv).
     bytes_sent: phase (or "all") -> bytes one rank must send, within 1%.
     params: name -> shape each rank's module must hold (its shard, not the dense weight).
@@ -32,7 +34,7 @@ class Contract:
     bytes_sent: dict[str, float] = field(default_factory=dict)
     params: dict[str, tuple] | None = None
     why: dict[str, str] = field(default_factory=dict)  # phase -> the reason the count is what it is
-    unchecked: tuple[str, ...] = ("harness",)
+    unchecked: tuple[str, ...] = ()
 
 
 @dataclass
@@ -60,6 +62,10 @@ class Case:
     # a task whose answer is plain data (a schedule) is returned as data and evaluated (simulated) where the
     # student's code cannot reach the evaluator. Raises ValueError on data of the wrong type.
     evaluate: Callable[[dict, dict], dict] | None = None
+    # (cfg, the record of this rank's collectives in this item) -> tensors compared with `expected`, computed here:
+    # what a rank communicated (all-reduce ops, split sizes, bytes) is read from the record the launcher's
+    # switchboard kept outside the rank (grader/judge/attempt.py), never from what the rank says of itself
+    from_record: Callable[[dict, list], dict] | None = None
 
 
 def shard(t: torch.Tensor, r: int, n: int, dim: int) -> torch.Tensor:

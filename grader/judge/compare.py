@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from grader.judge.case import Case, Contract
-from grader.rank.exchange import Item, RankRecord
+from grader.rank.exchange import SWITCHBOARD_VERDICT, Item, RankRecord
 from tpkit.course_imports import NOT_AT_GRADING
 
 
@@ -134,6 +134,8 @@ _COMM_ERRORS = ("Connection closed by peer", "Application timeout", "Timed out",
 def is_comm_error(tb: str) -> bool:
     """Did a collective fail under this rank (a peer died or never came), rather than its own code?"""
     last = tb.rstrip().splitlines()[-1] if tb.strip() else ""
+    if last.startswith(SWITCHBOARD_VERDICT):   # waited in a deadlock, or its group disagreed on a collective
+        return True
     return last.startswith(("RuntimeError", "DistBackendError", "DistNetworkError", "torch.distributed")) and \
         any(k in last for k in _COMM_ERRORS)
 
@@ -165,6 +167,8 @@ def describe_error(tb: str, rank, res: RankRecord | None = None) -> str:
     if last.startswith("SystemExit"):
         return (f"rank {rank}: your code called sys.exit() ({last}); a layer must return its result, "
                 "never end the process.")
+    if last.startswith(SWITCHBOARD_VERDICT):        # judged outside the ranks: a deadlock, a mismatch
+        return last[len(SWITCHBOARD_VERDICT):]
     if last.startswith("grader.rank.watch.Deadlock:"):
         return last.split(":", 1)[1].strip()        # the same picture on every waiting rank: said once
     if last.startswith("grader.rank.seal.Tampered:"):
@@ -226,7 +230,9 @@ def compare_item(case: Case, item: Item, ref: dict, results: dict[int, RankRecor
             culprits = sorted(own | {j for j, x in results.items() if x is None})
             if job_rank in own or not culprits:
                 msg = describe_error(errors[job_rank], r, res)
-                (deadlock if msg.startswith("deadlock:") else raised).append(msg)
+                # the same picture on every rank of the group: said once
+                judged = msg.startswith("deadlock:") or errors[job_rank].startswith(SWITCHBOARD_VERDICT)
+                (deadlock if judged else raised).append(msg)
             else:
                 fallout.append(f"rank {r}: left waiting in {last_collective(res)} because "
                                f"{rank_list(j % t for j in culprits)} failed.")
@@ -241,6 +247,8 @@ def compare_item(case: Case, item: Item, ref: dict, results: dict[int, RankRecor
             except (ValueError, TypeError, KeyError) as exc:
                 tensors.setdefault("", []).append(f"rank {r}: what it returned could not be evaluated ({exc}).")
                 continue
+        if case.from_record is not None:
+            got = {**got, **case.from_record(item.config, res.ledger)}
         for name, w in want.items():
             msg, m = compare_tensor(name, got.get(name), w, case.atol, r, case.hints.get(name, ""),
                                     NOT_YOURS if case.rank_inputs else "")

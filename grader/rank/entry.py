@@ -1,9 +1,14 @@
 """Rank entry of a grading job: `python -m grader.rank.entry JOBDIR/attemptK` on every rank.
 
 Each item of the job is a case at one tensor-parallel size t; the student gets a process
-group of t ranks (sub-groups when t is smaller than the job). Between items all ranks meet on
-the harness's control group; after an item in which any rank failed, that size's groups are
-made anew, so a rank left waiting in item k cannot be matched by a collective of item k+1.
+group of t ranks (sub-groups when t is smaller than the job).
+
+Under the fork and warm launchers the groups are the "course" backend (launch/course_pg.py): every
+collective goes to the launcher's switchboard, which also hands each rank an item's inputs when all
+ranks have reached it (`begin`), takes its result at the item's end (`save`), and keeps each item's
+collectives apart. Under torchrun (gloo, NCCL) ranks meet on the harness's control group between items,
+read their inputs from a file and write their results to one; after an item in which any rank failed,
+that size's groups are made anew, so a rank left waiting in item k cannot be matched in item k+1.
 """
 from __future__ import annotations
 
@@ -96,19 +101,30 @@ class RankJob:
         self.failed_cases: set[str] = set()       # checks in which some rank raised, hung or was judged deadlocked
 
     def start(self):
+        from launch import course_pg
         from launch.dist import init_process_group
-        self.rank, self.world, self.device = init_process_group(timeout_s=self.spec.pg_timeout)
+        self.link = None
+        if course_pg.available():   # the grader's launcher: every collective goes through its switchboard
+            course_pg.register()
+            self.link = course_pg.link()
+            self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(course_pg.BACKEND, store=dist.HashStore(), rank=self.rank, world_size=self.world)
+            self.device = torch.device("cpu")
+            self.inputs = {}        # each item's inputs come from the switchboard when the item begins
+        else:                       # the student's own checks (warm, torchrun): gloo or NCCL, inputs from a file
+            self.rank, self.world, self.device = init_process_group(timeout_s=self.spec.pg_timeout)
+            own = os.environ.pop("COURSE_INPUT_FD", None)    # opened for this rank alone by the fork launcher
+            with (os.fdopen(int(own), "rb") if own else open(self.spec.inputs.format(rank=self.rank), "rb")) as f:
+                self.inputs = torch.load(f, weights_only=True)   # this rank's own inputs, nothing of its peers'
+            # the harness's own group: between items, outside any student code (bounded by the wall clock only)
+            self.control = dist.new_group(list(range(self.world)), timeout=datetime.timedelta(hours=1))
         torch.set_num_threads(1)
         self.student_dir = os.path.realpath(self.spec.student)
-        own = os.environ.pop("COURSE_INPUT_FD", None)    # opened for this rank alone by the fork launcher
-        with (os.fdopen(int(own), "rb") if own else open(self.spec.inputs.format(rank=self.rank), "rb")) as f:
-            self.inputs = torch.load(f, weights_only=True)   # this rank's own inputs, nothing of its peers'
         self.out_path = os.path.join(self.out_dir, f"rank{self.rank}.pt")
         self.progress = os.path.join(self.out_dir, f"rank{self.rank}.progress")
-        # the harness's own group: between items, outside any student code (bounded by the wall clock only)
-        self.control = dist.new_group(list(range(self.world)), timeout=datetime.timedelta(hours=1))
         self.groups = {t: self.make_groups(t) for t in dict.fromkeys(it.t for it in self.spec.items)}
-        self.watch = Watch(self.out_dir, self.rank)   # installed before any student code is imported
+        # installed before any student code is imported; the switchboard judges deadlocks itself
+        self.watch = Watch(self.out_dir, self.rank) if self.link is None else None
         confine_imports(self.student_dir, self.out_dir)
         # the harness's run functions first (before any student code, and outside every item's clock: week 7's
         # DTensor imports take seconds), then the student's modules, once (a slow import on a loaded machine is
@@ -123,6 +139,16 @@ class RankJob:
                 self.modules[name] = import_by_path(name, self.student_dir)
             except BaseException as exc:   # noqa: BLE001  (SystemExit at import is the student's too)
                 self.modules[name] = exc
+
+    def begin(self, index: int, item: Item | None) -> bool:
+        """On the switchboard: wait until every rank is here, take this item's inputs; True if any rank failed
+        the last one."""
+        plan = self.groups[item.t] if item is not None else None
+        header, tensors = self.link.request({"k": "begin", "index": index, "item": item.id if item else None,
+                                              "group": plan[1] if plan else None})
+        if item is not None:
+            self.inputs[item.id] = dict(zip(header.get("names", []), tensors))
+        return bool(header.get("failed_last"))
 
     def make_groups(self, t: int):
         """This rank's (group, job ranks) at size t, made by all ranks in the same order; None: it sits t out.
@@ -153,6 +179,14 @@ class RankJob:
                 self.groups[last.t] = None
 
     def save(self, item: Item, record: RankRecord):
+        if self.link is not None:   # handed over at once: the switchboard keeps it where no rank can reach
+            import io
+            buf = io.BytesIO()
+            record.ledger = []      # the switchboard's record of the collectives is the one graded
+            torch.save(record.to_saved(), buf)
+            self.link.tell({"k": "end", "index": self.index, "failed": bool(record.error)},
+                           [torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)])
+            return
         self.results[item.id] = record.to_saved()
         _save(self.out_path, self.results)
 
@@ -177,7 +211,10 @@ class RankJob:
             if isinstance(self.modules.get(item.module), BaseException):
                 raise self.modules[item.module]
             inputs = {k: v.to(self.device) for k, v in self.inputs[item.id].items()}
-            self.watch.begin(item.id, ranks, ledger)
+            if self.watch is not None:
+                self.watch.begin(item.id, ranks, ledger)
+            else:
+                self.link.phase = lambda: ledger.phase
             with ledger:
                 out = self.runners[item.id](self.modules[item.module], item.config, inputs, ctx)
             ctx.check_handed()
@@ -192,7 +229,8 @@ class RankJob:
             record.error = user_traceback(exc, self.student_dir)
         finally:
             signal.alarm(0)
-            self.watch.end()
+            if self.watch is not None:
+                self.watch.end()
         record.seconds, record.params, record.ledger = time.perf_counter() - t0, ctx.params, ledger.entries
         self.save(item, record)
         return bool(record.error)
@@ -200,8 +238,10 @@ class RankJob:
     def _arm(self, item: Item, record: RankRecord, ledger, ctx, t0: float):
         """The item's clocks: SIGALRM for a Python-level hang, and the watch's way out of a deadlocked wait."""
         def too_slow(signum, frame):
-            if self.watch.waiting_on:   # a victim, not the culprit: the peer it waits for is elsewhere
-                raise GradingError(f"still waiting in {self.watch.waiting_on} after {item.timeout} s: a peer never "
+            waiting = self.watch.waiting_on if self.watch is not None else (
+                "a collective" if self.link.waiting else None)
+            if waiting:   # a victim, not the culprit: the peer it waits for is elsewhere
+                raise GradingError(f"still waiting in {waiting} after {item.timeout} s: a peer never "
                                    "joined it (the other ranks' messages say where they were).")
             raise GradingError(f"still running your code in {ledger.phase} after {item.timeout} s (not inside a "
                                "collective): an endless loop, a sleep, or far too much work?")
@@ -216,11 +256,16 @@ class RankJob:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(DEADLOCKED)
-        self.watch.give_up = give_up
+        if self.watch is not None:
+            self.watch.give_up = give_up
         signal.signal(signal.SIGALRM, too_slow)
         signal.alarm(item.timeout)
 
     def finish(self):
+        if self.link is not None:     # the last boundary: every rank leaves together
+            self.begin(len(self.spec.items), None)
+            ProgressFile.at(self.progress).write({"item": None, "phase": "done", "where": "finished"})
+            return
         try:   # the ranks leave together (the launcher takes a rank that leaves alone for a dead one)
             dist.all_reduce(torch.zeros(1), group=self.control)
         except Exception:
@@ -234,8 +279,12 @@ def main(attempt: str) -> int:
     job = RankJob(attempt)
     job.start()
     failed_last, last = False, None
-    for item in job.spec.items:
-        if last is not None:
+    for index, item in enumerate(job.spec.items):
+        job.index = index
+        if job.link is not None:
+            if job.begin(index, item) and last is not None:
+                job.failed_cases.add(last.case)
+        elif last is not None:
             job.meet(failed_last, last)
         failed_last, last = job.run_item(item), item
     job.finish()

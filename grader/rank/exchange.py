@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+SWITCHBOARD_VERDICT = "switchboard: "   # a record's error judged by the launcher's switchboard, not by the rank
 DEADLOCKED = 3     # exit status of a rank that left a deadlocked check (its verdict is in its record)
 
 

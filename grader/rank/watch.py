@@ -1,4 +1,5 @@
-"""Hangs judged from evidence, not from timeouts: a deadlock is named as soon as it is certain.
+"""Hangs judged from evidence, not from timeouts, where ranks talk gloo or NCCL to each other (torchrun): a deadlock
+is named as soon as it is certain. (The fork and warm launchers' switchboard judges its own: launch/switchboard.py.)
 
 Every blocking wait on a collective or a send/recv goes through `Work.wait`. While an item runs, the
 watch replaces it with a wait that polls the work and, between polls, reads where the other ranks of
@@ -24,6 +25,8 @@ import time
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from launch.course_pg import Deadlock
+from launch.switchboard import deadlock_message
 from tpkit.progress import ProgressFile, read_progress
 
 STABLE_S = 0.5           # the same all-blocked picture this long (a collective completes in ms) means none will
@@ -36,16 +39,6 @@ _P2P_TYPES = {int(_OpType.SEND): "send", int(_OpType.RECV): "recv", int(_OpType.
 _POLLABLE = {int(getattr(_OpType, n)) for n in ("BROADCAST", "ALLREDUCE", "ALLREDUCE_COALESCED", "REDUCE", "ALLGATHER",
                                                  "_ALLGATHER_BASE", "ALLGATHER_COALESCED", "GATHER", "SCATTER",
                                                  "ALLTOALL_BASE", "ALLTOALL", "BARRIER")}
-
-
-class Deadlock(BaseException):
-    """Raised on a waiting rank; a BaseException so that student code's `except Exception` cannot swallow it."""
-
-
-def _describe(r: int, state: dict) -> str:
-    if state.get("where") == "waiting":
-        return f"rank {r} waits in {state.get('op')} #{state.get('index')} ({state.get('phase')})"
-    return f"rank {r} had finished this check"
 
 
 class Watch:
@@ -200,14 +193,7 @@ class Watch:
             return None                         # all in the same collective: slow, not stuck
         return tuple(states)
 
-    def _message(self, picture: tuple) -> str:
-        parts = [_describe(i, {"where": s[0], "op": s[1], "index": s[2], "phase": s[3]} if s[0] == "waiting"
-                           else {"where": "finished"}) for i, s in enumerate(picture)]
-        waits = [s for s in picture if s[0] == "waiting"]
-        if waits and all(s[1] in P2P for s in waits) and not any(s[0] == "finished" for s in picture):
-            why = ("Every rank waits for a message no peer is sending: post each send together with its "
-                   "receive (dist.batch_isend_irecv, or isend before recv) so no rank blocks in its first one.")
-        else:
-            why = ("A rank that skips or adds a collective, or issues them in another order, leaves the "
-                   "others waiting forever.")
-        return "deadlock: " + "; ".join(parts) + ". " + why
+    @staticmethod
+    def _message(picture: tuple) -> str:
+        return deadlock_message([("waits", f"{s[1]} #{s[2]} ({s[3]})", s[1]) if s[0] == "waiting" else ("finished",)
+                                 for s in picture])

@@ -16,7 +16,6 @@ def upstream(cfg) -> float:
 
 
 WEIGHT_SHARD = "weight shard kept by this rank"
-MAX_REDUCES = "forward all-reduces with ReduceOp.MAX"
 
 
 def run_embedding(mod, cfg, inp, ctx):
@@ -34,41 +33,13 @@ def run_embedding(mod, cfg, inp, ctx):
     return {"y": y, "dW": emb.weight.grad, WEIGHT_SHARD: w.detach() if isinstance(w, torch.Tensor) else None}
 
 
-def _max_reduces(ledger):
-    """A dispatch mode counting the forward all-reduces whose op is MAX (the ledger does not record the op).
-    Defined per call, so nothing at module level stands between the student and it."""
-    import torch.distributed as dist
-
-    from tpkit.dispatch import MeasuringMode
-    want = int(dist.ReduceOp.MAX)
-
-    class ReduceOps(MeasuringMode):
-        def __init__(self):
-            super().__init__()
-            self.max = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if ledger.phase == "forward":
-                if func.namespace == "c10d" and func._opname in ("allreduce_", "allreduce_coalesced_"):
-                    for a in args:
-                        if isinstance(a, torch.ScriptObject) and "ReduceOp" in str(a._type()):
-                            self.max += int(a.op()) == want
-                elif func.namespace == "_c10d_functional" and func._opname in ("all_reduce", "all_reduce_coalesced"):
-                    self.max += any(isinstance(a, str) and a.lower() == "max" for a in args[1:2])
-            return func(*args, **(kwargs or {}))
-
-    return ReduceOps()
-
-
 def run_cross_entropy(mod, cfg, inp, ctx):
     local = inp["logits"].requires_grad_(True)                             # (B, T, ceil(V/t)): its own slice
-    ops = _max_reduces(ctx.ledger)
     ctx.phase("forward")
-    with ops:
-        loss = mod.vocab_parallel_cross_entropy(ctx.hand("local_logits", local),
-                                                ctx.hand("targets", inp["targets"].clone()), group=ctx.group,
-                                                ignore_index=cfg["ignore_index"], label_smoothing=cfg["smoothing"],
-                                                vocab_size=cfg["vocab"])
-        ctx.phase("backward")
-        loss.backward(torch.tensor(upstream(cfg)))
-    return {"loss": loss, "dlogits": local.grad, MAX_REDUCES: torch.tensor([ops.max])}
+    loss = mod.vocab_parallel_cross_entropy(ctx.hand("local_logits", local),
+                                            ctx.hand("targets", inp["targets"].clone()), group=ctx.group,
+                                            ignore_index=cfg["ignore_index"], label_smoothing=cfg["smoothing"],
+                                            vocab_size=cfg["vocab"])
+    ctx.phase("backward")
+    loss.backward(torch.tensor(upstream(cfg)))
+    return {"loss": loss, "dlogits": local.grad}

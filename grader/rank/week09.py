@@ -22,8 +22,6 @@ STUCK = "stuck at (stage, position); -1 = never stuck"
 ONCE = "runs each F(mb) and B(mb) once on every stage (1 = yes)"
 BUBBLE = "bubble fraction"
 PEAK = "peak activations in flight per stage"
-BYTES = "bytes sent by this stage"
-OTHER = "collectives other than send/recv"
 GRADS = "weight grads of this stage (flattened)"
 ORDER = "actions per stage as (0 = F / 1 = B, micro-batch); -1 = none"
 RUN_ORDER = "order this stage ran its forwards and backwards: (0 = F / 1 = B, micro-batch); -1 = none"
@@ -122,10 +120,6 @@ def run_pipeline(mod, cfg, inp, ctx):
         loss = mod.run_pipeline(stage, mbs, tgts, m, act_shape, loss_fn, group=ctx.group)
     finally:
         hook.remove()
-    # Stages legitimately issue different P2P sequences (stage 0 only sends activations, the last stage
-    # only sends grads): summarise the ledger here so the collective-desync report does not misfire.
-    entries = list(ctx.ledger.entries)
-    ctx.ledger.entries.clear()
     grads = [prm.grad for _, prm in stage.named_parameters()]
     out = {}
     if s == p - 1:
@@ -133,8 +127,6 @@ def run_pipeline(mod, cfg, inp, ctx):
     else:
         out[NONE_ELSEWHERE] = torch.tensor([int(loss is None)])
     out[RUN_ORDER] = encode_actions(ran, 2 * m)
-    out[BYTES] = torch.tensor(sum(e["sent"] for e in entries), dtype=torch.float64)
-    out[OTHER] = torch.tensor(float(sum(e["op"] not in ("send", "recv") for e in entries)), dtype=torch.float64)
     out[GRADS] = None if any(g is None for g in grads) else torch.cat([g.flatten() for g in grads])
     return out
 

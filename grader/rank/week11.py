@@ -4,28 +4,13 @@ student's AllToAll, forward and backward; or build the student's EPMoE from what
 replicated router weight and ITS experts' weights only) and run its tokens forward and backward. `inp` is
 this rank's own view (grader/cases/week11.py, rank_inputs): no other rank's tokens or experts ever reach it.
 
-Besides values, the ledger's record of the all-to-alls of (rows, H) tensors comes back as tensors (the bytes
-this rank sent in them, the split sizes of the first: the dispatch), because those depend on the routing and
-so differ per rank; the trusted side compares them with what its own routing implies."""
+What the all-to-alls moved (split sizes, bytes) is read on the trusted side from the switchboard's record of
+this rank's collectives (grader/cases/week11.py), not from anything the rank says."""
 from __future__ import annotations
 
 import torch
 
 from grader.rank.context import GradingError
-
-SPLITS = "dispatch split sizes (ledger): rows sent to each rank, then rows received from each"
-SENT = "bytes of rows sent by this rank (ledger): forward, backward"
-
-
-def ledger_record(ledger, hidden: int) -> dict:
-    """What the ledger saw of this rank's all-to-alls."""
-    rows = [e for e in ledger.entries if e["op"] == "all_to_all" and len(e["shape"]) == 2 and e["shape"][1] == hidden]
-    out = {SENT: torch.tensor([sum(e["sent"] for e in rows if e["phase"] == ph) for ph in ("forward", "backward")],
-                              dtype=torch.float64)}
-    if rows and rows[0]["phase"] == "forward":
-        out[SPLITS] = torch.tensor(rows[0].get("in_splits", []) + rows[0].get("out_splits", []), dtype=torch.int64)
-    return out
-
 
 def _tensor(x, name):
     if not isinstance(x, torch.Tensor):
@@ -64,7 +49,7 @@ def run_all_to_all(mod, cfg, inp, ctx):
     y = mod.AllToAll.apply(x, recv, send, ctx.group)
     ctx.phase("backward")
     ctx.backward(y, inp["dy"], "y")
-    return {"recv_counts": recv_counts.long(), "y": y, "dx": x.grad, **ledger_record(ctx.ledger, cfg["H"])}
+    return {"recv_counts": recv_counts.long(), "y": y, "dx": x.grad}
 
 
 def run_layer(mod, cfg, inp, ctx):
@@ -76,7 +61,7 @@ def run_layer(mod, cfg, inp, ctx):
     y = layer(x)
     ctx.phase("backward")
     ctx.backward(y, inp["dy"], "y")
-    out = {"y": y, "dx": x.grad, **ledger_record(ctx.ledger, cfg["H"])}
+    out = {"y": y, "dx": x.grad}
     for name in ("router", "w1", "w2"):
         out[f"d{name}"] = ctx.grad(layer, name)
     return out

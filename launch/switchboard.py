@@ -1,0 +1,364 @@
+"""The switchboard: the launcher carries out every collective of its ranks and records it, outside their reach.
+
+Each rank has one socket to its launcher (`launch.course_pg`) and no other way to a peer (grading
+isolates the ranks: `launch.isolation`). A rank posts a collective with its own tensors; when every
+member of the group has posted the group's next collective, the switchboard checks that they agree (op,
+shapes, dtypes, root), computes each rank's result and answers. A send waits for its recv (rendezvous).
+What each rank posted is recorded per item, in the ledger's format (`tpkit.ledger`): op, bytes, dtype,
+shape (this rank's input), bytes sent on a ring, the group size, the phase the rank says it is in.
+
+Items: a rank asks to `begin` item i (every rank, in order); when all live ranks have asked, item i-1's
+record is written and each rank gets its own inputs for item i (from the grader's per-rank input file)
+and whether any rank failed item i-1. At `end` a rank hands over its result, which is stored at once:
+what a rank learns later cannot change an item it has ended.
+
+Deadlocks: a rank that waits on a collective says so. When no live rank is running (each waits, has ended
+the item, or is gone) and one of them waits, no wait can ever complete: every waiting rank gets `Deadlock`
+with the picture of who waits where, at once, with no timeout, and the item is marked deadlocked.
+
+Files written under `record_dir` (a folder no rank can see): `comm.json` (per item: each rank's entries
+and the item's events) and `rank{r}/{i}.pt` (the result rank r handed over for item i).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections import deque
+
+import torch
+
+from launch.collectives import P2P, disagreement, nbytes, outcome
+from launch.wire import BadFrame, FrameReader, encode
+from tpkit.ledger import ring_bytes_sent
+
+MAX_PHASE = 40
+
+
+def deadlock_message(states: list[tuple]) -> str:
+    """states[label] = ("waits", "all_reduce #2 (forward)", op) | ("finished",)."""
+    parts = [f"rank {i} waits in {s[1]}" if s[0] == "waits" else f"rank {i} had finished this check"
+             for i, s in enumerate(states)]
+    waits = [s for s in states if s[0] == "waits"]
+    if waits and all(s[2] in P2P for s in waits) and all(s[0] == "waits" for s in states):
+        why = ("Every rank waits for a message no peer is sending: post each send together with its "
+               "receive (dist.batch_isend_irecv, or isend before recv) so no rank blocks in its first one.")
+    else:
+        why = ("A rank that skips or adds a collective, or issues them in another order, leaves the "
+               "others waiting forever.")
+    return "deadlock: " + "; ".join(parts) + ". " + why
+
+
+class Post:
+    def __init__(self, rank: int, header: dict, tensors: list):
+        self.rank, self.header, self.tensors = rank, header, tensors
+        self.seq = header["seq"]
+        self.op = header["op"]
+        self.label = ""          # "all_reduce #2 (forward)"
+
+
+class Conn:
+    def __init__(self, rank: int, sock):
+        self.rank, self.sock = rank, sock
+        self.reader = FrameReader()
+        self.out = bytearray()
+        self.gone = False
+
+
+class Switchboard:
+    def __init__(self, nproc: int, sel, inputs: dict[int, dict], record_dir: str):
+        self.nproc, self.sel, self.inputs, self.record_dir = nproc, sel, inputs, record_dir
+        self.conns: dict[int, Conn] = {}
+        self.index = -1                             # the item every rank is in (-1: before the first)
+        self.begun: dict[int, dict] = {}            # rank -> its begin request for index + 1
+        self.failed: set[int] = set()               # ranks that said they failed the current item
+        self.record: dict[int, dict] = {}           # item index -> {"item", "entries": {rank: [..]}, "events": [..]}
+        self._new_item_state()
+        os.makedirs(record_dir, mode=0o700, exist_ok=True)
+
+    # -- connections ---------------------------------------------------------------------------------------
+    def attach(self, rank: int, sock):
+        sock.setblocking(False)
+        conn = Conn(rank, sock)
+        self.conns[sock.fileno()] = conn
+        self.sel.register(sock.fileno(), 1, ("switchboard", rank))   # EVENT_READ
+
+    def owns(self, fd: int) -> bool:
+        return fd in self.conns
+
+    def on_ready(self, fd: int, events: int):
+        conn = self.conns[fd]
+        if events & 2:        # EVENT_WRITE
+            self._flush(conn)
+        if events & 1:
+            try:
+                data = conn.sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._drop(conn)
+                return
+            try:
+                frames = conn.reader.feed(data)
+            except BadFrame as exc:
+                self._event("protocol", f"rank {conn.rank} sent a malformed message ({exc})", [conn.rank])
+                self._drop(conn)
+                return
+            for header, tensors in frames:
+                try:
+                    self._handle(conn.rank, header, tensors)
+                except (KeyError, TypeError, ValueError) as exc:
+                    self._event("protocol", f"rank {conn.rank} sent a malformed message ({exc!r})", [conn.rank])
+                    self._drop(conn)
+                    return
+            self._settle()
+
+    def _send(self, rank: int, header: dict, tensors=()):
+        conn = self._conn(rank)
+        if conn is None or conn.gone:
+            return
+        conn.out += encode(header, tensors)
+        self._flush(conn)
+
+    def _flush(self, conn: Conn):
+        try:
+            while conn.out:
+                n = conn.sock.send(conn.out[:1 << 20])
+                del conn.out[:n]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            conn.out.clear()
+        self.sel.modify(conn.sock.fileno(), 1 | (2 if conn.out else 0), ("switchboard", conn.rank))
+
+    def _conn(self, rank: int) -> Conn | None:
+        return next((c for c in self.conns.values() if c.rank == rank), None)
+
+    def _drop(self, conn: Conn):
+        if conn.gone:
+            return
+        conn.gone = True
+        self.sel.unregister(conn.sock.fileno())
+        conn.sock.close()
+        self._settle()
+
+    def live(self) -> list[int]:
+        return [c.rank for c in self.conns.values() if not c.gone]
+
+    # -- messages --------------------------------------------------------------------------------------------
+    def _handle(self, rank: int, header: dict, tensors: list):
+        kind = header["k"]
+        if kind == "op":
+            self._post(Post(rank, header, tensors))
+        elif kind == "wait":
+            seq = int(header["seq"])
+            if seq in self.open_posts.get(rank, {}):
+                if self.deadlocked:
+                    self._fail(rank, seq, self.deadlocked, deadlock=True)
+                else:
+                    self.blocked[rank] = seq
+        elif kind == "begin":
+            self.begun[rank] = header
+            self.blocked.pop(rank, None)
+        elif kind == "end":
+            self._store_result(rank, int(header["index"]), tensors)
+            if header.get("failed"):
+                self.failed.add(rank)
+            self.ended.add(rank)
+            self.blocked.pop(rank, None)
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+
+    def _store_result(self, rank: int, index: int, tensors: list):
+        if index != self.index or rank in self.ended or len(tensors) != 1 or tensors[0].dtype != torch.uint8:
+            return            # an item other than the current one, twice, or not one byte tensor: ignored
+        folder = os.path.join(self.record_dir, f"rank{rank}")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        with open(os.path.join(folder, f"{index}.pt"), "wb") as f:
+            f.write(tensors[0].numpy().tobytes())
+
+    # -- items -------------------------------------------------------------------------------------------
+    def _new_item_state(self):
+        self.counters: dict[tuple, int] = {}        # (rank, group) -> collectives posted on it in this item
+        self.slots: dict[tuple, dict[int, Post]] = {}   # (group, n) -> rank -> post
+        self.sends: dict[tuple, deque] = {}         # (group, src, dst, tag) -> posted sends not yet received
+        self.recvs: dict[tuple, deque] = {}
+        self.open_posts: dict[int, dict[int, Post]] = {}   # rank -> seq -> post not yet answered
+        self.op_counts: dict[tuple, int] = {}       # (rank, op) -> number, for "all_reduce #2"
+        self.blocked: dict[int, int] = {}           # rank -> the seq it waits on
+        self.ended: set[int] = set()
+        self.deadlocked: str = ""
+        self.groups: dict[int, list[int]] = {}      # rank -> its item group (job ranks), for messages
+
+    def _item(self) -> dict:
+        return self.record.setdefault(self.index, {"item": None, "entries": {}, "events": []})
+
+    def _event(self, kind: str, msg: str, ranks: list[int]):
+        self._item()["events"].append({"kind": kind, "msg": msg, "ranks": sorted(ranks)})
+
+    def _settle(self):
+        """After any message: open the next item when every live rank asked for it; judge a deadlock."""
+        live = self.live()
+        if live and all(r in self.begun for r in live):
+            self._next_item(live)
+            return
+        running = [r for r in live if r not in self.blocked and r not in self.ended and r not in self.begun]
+        if running or not self.blocked or self.deadlocked:
+            return
+        self._judge_deadlock(live)
+
+    def _next_item(self, live: list[int]):
+        failed = bool(self.failed)
+        indices = {int(self.begun[r].get("index", -1)) for r in live}
+        self.write_record()
+        self.index = max(indices)
+        self._new_item_state()
+        self.failed = set()
+        item = self._item()
+        for r in live:
+            req = self.begun.pop(r)
+            item["item"] = str(req.get("item"))[:200]
+            group = req.get("group")
+            if isinstance(group, list) and all(isinstance(g, int) for g in group):
+                self.groups[r] = group
+            mine = self.inputs.get(r, {}).get(item["item"], {})
+            names = sorted(mine)
+            self._send(r, {"k": "start", "index": self.index, "failed_last": failed, "names": names},
+                       [mine[n] for n in names])
+
+    def _judge_deadlock(self, live: list[int]):
+        by_group: dict[tuple, list[int]] = {}
+        for r in self.blocked:
+            by_group.setdefault(tuple(self.groups.get(r, self.conns_ranks())), []).append(r)
+        for group in by_group:
+            states = [("gone",) if r not in live else
+                      ("waits", self.open_posts[r][self.blocked[r]].label, self.open_posts[r][self.blocked[r]].op)
+                      if r in self.blocked else ("finished",) for r in group]
+            gone = [i for i, st in enumerate(states) if st[0] == "gone"]
+            if gone:    # a peer's process ended: its death is the verdict, the waiting ranks its fallout
+                for r in group:
+                    if r in self.blocked:
+                        self._fail(r, self.blocked[r], f"Connection closed by peer: rank {gone[0]}'s process ended "
+                                   f"while this rank waited in {self.open_posts[r][self.blocked[r]].label}")
+                continue
+            msg = deadlock_message(states)
+            self.deadlocked = self.deadlocked or msg
+            self._event("deadlock", msg, [r for r in group if r in self.blocked])   # the verdict of the waiting
+            for r in group:
+                if r in self.blocked:
+                    self._fail(r, self.blocked[r], msg, deadlock=True)
+
+    def conns_ranks(self) -> list[int]:
+        return [c.rank for c in self.conns.values()]
+
+    # -- collectives -----------------------------------------------------------------------------------------
+    def _post(self, post: Post):
+        r, h = post.rank, post.header
+        phase = h.get("phase") if isinstance(h.get("phase"), str) else "?"
+        post.phase = phase[:MAX_PHASE]
+        n = self.op_counts[(r, post.op)] = self.op_counts.get((r, post.op), 0) + 1
+        ranks = [int(x) for x in h["ranks"]]
+        post.ranks = ranks
+        if post.op in P2P:
+            post.peer = ranks[int(h["peer"])] if 0 <= int(h["peer"]) < len(ranks) else -1
+        post.label = f"{post.op} #{n} ({post.phase})"
+        self.open_posts.setdefault(r, {})[post.seq] = post
+        if self.deadlocked:
+            self._fail(r, post.seq, self.deadlocked, deadlock=True)
+            return
+        if r not in ranks:
+            self._fail(r, post.seq, f"rank {r} posted a collective on a group it is not in")
+            return
+        group = (h["group"], tuple(ranks))
+        if post.op in P2P:
+            self._post_p2p(post, group)
+            return
+        k = self.counters[(r, group)] = self.counters.get((r, group), 0) + 1
+        slot = self.slots.setdefault((group, k), {})
+        slot[r] = post
+        if len(slot) == len(ranks):
+            del self.slots[(group, k)]
+            self._resolve(group, k, [slot[x] for x in ranks])
+
+    def _answer(self, post: Post, tensors=()):
+        self.open_posts.get(post.rank, {}).pop(post.seq, None)
+        if self.blocked.get(post.rank) == post.seq:
+            del self.blocked[post.rank]
+        self._send(post.rank, {"k": "done", "seq": post.seq}, tensors)
+
+    def _fail(self, rank: int, seq: int, msg: str, deadlock: bool = False):
+        self.open_posts.get(rank, {}).pop(seq, None)
+        if self.blocked.get(rank) == seq:
+            del self.blocked[rank]
+        self._send(rank, {"k": "error", "seq": seq, "msg": msg, "deadlock": deadlock})
+
+    def _record(self, post: Post, full_bytes: int, t: int, **extra):
+        x = post.tensors[0] if post.tensors else None
+        entry = {"phase": post.phase, "op": post.op, "index": self.op_counts[(post.rank, post.op)],
+                 "bytes": int(full_bytes), "dtype": str(x.dtype).removeprefix("torch.") if x is not None else "",
+                 "shape": list(x.shape) if x is not None else [], "group": t,
+                 "sent": float(ring_bytes_sent(post.op, full_bytes, t)), **extra}
+        self._item()["entries"].setdefault(str(post.rank), []).append(entry)
+
+    def _resolve(self, group, k: int, posts: list[Post]):
+        problem = disagreement(posts)
+        if problem:
+            desc = "; ".join(f"rank {i}: {p.label}" for i, p in enumerate(posts))
+            msg = (f"the ranks disagree on collective #{k} of their group ({problem}): {desc}. Every rank must "
+                   "issue the same collectives, on tensors of the same shape, in the same order.")
+            self._event("mismatch", msg, [p.rank for p in posts])
+            for p in posts:
+                self._fail(p.rank, p.seq, msg)
+            return
+        for p, (answer, full_bytes, extra) in zip(posts, outcome(posts)):
+            self._record(p, full_bytes, len(posts), **extra)
+            self._answer(p, answer)
+
+    def _post_p2p(self, post: Post, group):
+        if post.peer < 0:
+            self._fail(post.rank, post.seq, f"{post.label}: no such rank in the group")
+            return
+        src, dst = (post.rank, post.peer) if post.op == "send" else (post.peer, post.rank)
+        key = (group, src, dst, int(post.header.get("tag", 0)))
+        mine, theirs = (self.sends, self.recvs) if post.op == "send" else (self.recvs, self.sends)
+        if theirs.get(key):
+            other = theirs[key].popleft()
+            send, recv = (post, other) if post.op == "send" else (other, post)
+            want = [tuple(s) for s in recv.header.get("want", [])]
+            got = [tuple(x.shape) for x in send.tensors]
+            if [torch.Size(w).numel() for w in want] != [torch.Size(g).numel() for g in got]:
+                msg = (f"{send.label} sends {got} but {recv.label} receives into {want}: a send and its recv must "
+                       "have the same size.")
+                self._event("mismatch", msg, [send.rank, recv.rank])
+                self._fail(send.rank, send.seq, msg)
+                self._fail(recv.rank, recv.seq, msg)
+                return
+            n = sum(nbytes(x) for x in send.tensors)
+            t = len(post.ranks)
+            self._record(send, n, t)
+            self._record(recv, n, t, sent=0.0)
+            self._answer(send)
+            self._answer(recv, [x.reshape(w) for x, w in zip(send.tensors, want)])
+        else:
+            mine.setdefault(key, deque()).append(post)
+
+    # -- the record ------------------------------------------------------------------------------------------
+    def write_record(self):
+        data = json.dumps({"items": {str(k): v for k, v in self.record.items() if k >= 0}}).encode()
+        tmp = os.path.join(self.record_dir, "comm.json.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, os.path.join(self.record_dir, "comm.json"))
+
+
+def load_inputs(template: str, nproc: int) -> dict[int, dict]:
+    """rank -> {item id: {name: tensor}} from the grader's per-rank input files (read by the launcher only)."""
+    out = {}
+    for r in range(nproc):
+        path = template.format(rank=r)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                out[r] = torch.load(io.BytesIO(f.read()), weights_only=True)
+    return out
