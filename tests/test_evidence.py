@@ -184,3 +184,21 @@ def test_a_forged_deadlock_exit_status_still_ends_in_a_verdict():
     rep = run_checks(["week02/column_parallel", "week02/row_parallel"], {"tp_linear.py": module}, sandbox="off")
     assert not rep.passed and len(rep.runs) <= 2, [r.seconds for r in rep.runs]
     assert f"exit status {DEADLOCKED}" in rep.cases["week02/column_parallel"].message()
+
+
+def test_phases_a_rank_names_must_come_in_order():
+    """A rank labels its collectives' phases itself: "setup" only before the check's own collectives, nothing but
+    "harness" (the grader's) after the first harness one; training steps may alternate forward and backward."""
+    from grader.judge.case import Contract
+    from grader.judge.compare import check_contract
+    from grader.rank.exchange import RankRecord
+    contract = Contract(counts={"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}, unchecked=("harness",))
+
+    def problems(*phases):
+        entries = [{"phase": p, "op": "all_reduce", "sent": 0.0} for p in phases]
+        return check_contract(contract, RankRecord(group=[0, 1], ledger=entries), 0)
+
+    assert problems("forward", "backward", "forward", "backward", "harness", "harness") == []
+    assert "came after the grader's own (harness)" in problems("forward", "harness", "backward", "forward",
+                                                               "backward")[0]
+    assert "setup comes first" in problems("forward", "setup", "backward", "forward", "backward")[0]

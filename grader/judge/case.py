@@ -21,10 +21,10 @@ class Contract:
 
     counts: phase -> {op: exact count}; an op not listed must not occur in that phase, and a phase not
         listed (e.g. "setup": from_dense, __init__) must have no collective at all, barriers included.
-    unchecked: phases whose collectives are not counted ("setup" and "harness" in week 7, where DTensor's own
-        setup and the grader's reading of Partial grads communicate as the student's plan decides). A rank names
-        its phase itself, so a collective it labels unchecked is hidden: where the grader's own collectives are
-        known, count them instead (week 6's plain version: counts["harness"]).
+    unchecked: phases whose collectives are not counted ("harness" in week 7, where the grader's reading of
+        Partial grads communicates as the student's plan decides). A rank names its phase itself: the order of
+        phases is checked (compare._phase_order), and where the grader's own collectives are known they are
+        counted instead (week 6's plain version: counts["harness"]).
     allowed_ops: if set, no other op may occur in any phase (e.g. only send/recv).
     bytes_sent: phase (or "all") -> bytes one rank must send, within 1%.
     params: name -> shape each rank's module must hold (its shard, not the dense weight).

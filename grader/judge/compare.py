@@ -85,9 +85,25 @@ def compare_tensor(name: str, got, want: torch.Tensor, atol: float, rank: int, h
             f"(it would take atol={passing:g} to pass).{tail}", m)
 
 
+def _phase_order(entries: list, rank: int) -> list[str]:
+    """A rank names the phase of each collective itself, so the order is checked: "setup" before anything else,
+    nothing but the grader's own ("harness") after it. A collective relabelled as either, mid-check, is named."""
+    seen_other = seen_harness = False
+    for e in entries:
+        phase = e.get("phase")
+        if phase == "setup" and seen_other:
+            return [f"rank {rank}: a collective labelled setup came after the check's own: setup comes first."]
+        if phase != "harness" and seen_harness:
+            return [f"rank {rank}: a collective labelled {phase} came after the grader's own (harness), which come "
+                    "last: only the grader labels collectives harness."]
+        seen_other = seen_other or phase != "setup"
+        seen_harness = seen_harness or phase == "harness"
+    return []
+
+
 def check_contract(contract: Contract, res: RankRecord, rank: int) -> list[str]:
-    problems = []
     entries = res.ledger
+    problems = _phase_order(entries, rank)
     ops_by_phase: dict[str, dict[str, int]] = {}
     for e in entries:
         ops_by_phase.setdefault(str(e.get("phase")), {}).setdefault(str(e.get("op")), 0)
