@@ -203,12 +203,13 @@ class Launch:
     stream: Callable[[str], None] | None = None
     t0: float = field(default_factory=time.monotonic)
 
-    def release(self, nproc: int, timeout: float):
-        """Give a held launcher its job: fork `nproc` ranks now, stop them `timeout` seconds from now."""
+    def release(self, nproc: int, timeout: float, env: dict | None = None):
+        """Give a held launcher its job: fork `nproc` ranks now, stop them `timeout` seconds from now; `env`: what
+        the job adds to the launcher's environment now that it is known."""
         if nproc < 1:
             raise ValueError(f"nproc must be at least 1, got {nproc}")
         self.nproc, self.timeout, self.t0 = nproc, timeout, time.monotonic()
-        job = {"nproc": nproc, "env": {"COURSE_DEADLINE": _deadline(timeout)}}
+        job = {"nproc": nproc, "env": {**(env or {}), "COURSE_DEADLINE": _deadline(timeout)}}
         try:
             self.proc.stdin.write(json.dumps(job).encode() + b"\n")
             self.proc.stdin.close()

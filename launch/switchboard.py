@@ -66,8 +66,9 @@ class Conn:
 
 
 class Switchboard:
-    def __init__(self, nproc: int, sel, inputs: dict[int, dict], record_dir: str):
+    def __init__(self, nproc: int, sel, inputs: dict[int, dict], item_ids: list[str], record_dir: str):
         self.nproc, self.sel, self.inputs, self.record_dir = nproc, sel, inputs, record_dir
+        self.item_ids = item_ids
         self.conns: dict[int, Conn] = {}
         self.index = -1                             # the item every rank is in (-1: before the first)
         self.begun: dict[int, dict] = {}            # rank -> its begin request for index + 1
@@ -160,6 +161,8 @@ class Switchboard:
                 else:
                     self.blocked[rank] = seq
         elif kind == "begin":
+            if int(header["index"]) != self.index + 1:     # items come in the job's order, none skipped
+                raise ValueError(f"asked for item {header['index']} during item {self.index}")
             self.begun[rank] = header
             self.blocked.pop(rank, None)
         elif kind == "end":
@@ -211,16 +214,15 @@ class Switchboard:
 
     def _next_item(self, live: list[int]):
         failed = bool(self.failed)
-        indices = {int(self.begun[r].get("index", -1)) for r in live}
         self.write_record()
-        self.index = max(indices)
+        self.index += 1
         self._new_item_state()
         self.failed = set()
         item = self._item()
+        # which item this is comes from the job's list, never from a rank (it could ask for a later item's inputs)
+        item["item"] = self.item_ids[self.index] if self.index < len(self.item_ids) else None
         for r in live:
-            req = self.begun.pop(r)
-            item["item"] = str(req.get("item"))[:200]
-            group = req.get("group")
+            group = self.begun.pop(r).get("group")
             if isinstance(group, list) and all(isinstance(g, int) for g in group):
                 self.groups[r] = group
             mine = self.inputs.get(r, {}).get(item["item"], {})
@@ -346,7 +348,8 @@ class Switchboard:
 
     # -- the record ------------------------------------------------------------------------------------------
     def write_record(self):
-        data = json.dumps({"items": {str(k): v for k, v in self.record.items() if k >= 0}}).encode()
+        # item -1: what happened before the first item began (a malformed message, say)
+        data = json.dumps({"items": {str(k): v for k, v in self.record.items()}}).encode()
         tmp = os.path.join(self.record_dir, "comm.json.tmp")
         with open(tmp, "wb") as f:
             f.write(data)

@@ -22,8 +22,8 @@ PRELUDE = textwrap.dedent("""
     dist.init_process_group("course", store=dist.HashStore(), rank=r, world_size=n)
     link = course_pg.link()
 
-    def begin(i, item="item"):
-        link.request({"k": "begin", "index": i, "item": item, "group": list(range(n))})
+    def begin(i):
+        link.request({"k": "begin", "index": i, "group": list(range(n))})
 """)
 
 
@@ -65,7 +65,7 @@ def test_every_collective_gives_torchs_answer_and_is_recorded(tmp_path):
         assert torch.equal(fc.all_gather_tensor(x, 0, dist.group.WORLD) + 0, g)
         assert torch.equal(fc.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD) + 0, want_sum[2 * r:2 * r + 2])
         print("ALL OK", flush=True)
-        begin(1, None)
+        begin(1)
     """, nproc=3)
     assert p.returncode == 0 and p.stdout.count("ALL OK") == 3, p.stdout[-3000:]
     ops = [(e["op"], e["bytes"], e.get("reduce")) for e in record["0"]["entries"]["0"]]
@@ -92,7 +92,7 @@ def test_a_deadlock_is_judged_at_once_and_the_next_item_runs_in_the_same_ranks(t
         begin(1)
         y = torch.ones(2); dist.all_reduce(y); assert torch.equal(y, 2 * torch.ones(2))
         print("NEXT OK", flush=True)
-        begin(2, None)
+        begin(2)
     """)
     assert p.returncode == 0 and p.stdout.count("NEXT OK") == 2, p.stdout[-3000:]
     judged = [float(ln.split("after ")[1].split(" s")[0]) for ln in p.stdout.splitlines() if "JUDGED" in ln]
@@ -114,7 +114,7 @@ def test_ranks_that_disagree_on_a_collective_are_told_which_and_how(tmp_path):
                 dist.all_gather_into_tensor(torch.empty(8), torch.ones(4))
         except RuntimeError as exc:
             print(f"TOLD {exc}", flush=True)
-        begin(1, None)
+        begin(1)
     """)
     assert p.stdout.count("TOLD the ranks disagree on collective #1 of their group (different collectives): "
                           "rank 0: all_reduce #1 (setup); rank 1: all_gather #1 (setup)") == 2, p.stdout[-3000:]
@@ -130,7 +130,7 @@ def test_a_result_handed_over_is_kept_and_cannot_be_replaced(tmp_path):
         link.tell({"k": "end", "index": 0}, [torch.tensor([9, 9, 9], dtype=torch.uint8)])
         begin(1)
         link.tell({"k": "end", "index": 0}, [torch.tensor([7], dtype=torch.uint8)])
-        begin(2, None)
+        begin(2)
     """)
     assert p.returncode == 0, p.stdout[-3000:]
     for r in range(2):
@@ -154,3 +154,18 @@ def test_a_malformed_message_closes_that_ranks_link_and_nothing_else(tmp_path, f
     """)
     assert "@@status" in p.stdout and "PEER GONE" in p.stdout, p.stdout[-3000:]
     assert [ev["kind"] for ev in record["0"]["events"]] == ["protocol"]
+
+
+def test_a_rank_cannot_ask_for_a_later_items_inputs(tmp_path):
+    """Items come in the job's order: a rank asking to begin any other item (to see a later item's inputs early)
+    loses its link; which item's inputs a rank gets is the switchboard's choice, never the rank's."""
+    p, record, _ = run_ranks(tmp_path, """
+        if r == 1:
+            link.tell({"k": "begin", "index": 3, "group": [0, 1]})
+            time.sleep(0.5)
+            os._exit(0)
+        begin(0)
+        print("RANK 0 BEGAN", flush=True)
+    """)
+    assert "RANK 0 BEGAN" in p.stdout, p.stdout[-3000:]
+    assert [ev["kind"] for ev in record["-1"]["events"]] == ["protocol"]       # before the first item began

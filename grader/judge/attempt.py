@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
 import shutil
@@ -59,7 +60,7 @@ class Attempt:
                                   "(a file or socket could carry data the switchboard does not see)")
         self.launch = None
 
-    def _start(self, nproc: int | None, weeks, timeout: float, pg_timeout: float):
+    def _start(self, nproc: int | None, weeks, timeout: float, pg_timeout: float, job_env: dict | None = None):
         from launch.runner import start
         return start("grader.rank.entry", nproc, [self.here], backend=self.backend, launcher=self.launcher,
                      timeout=timeout, kill_grace=KILL_GRACE, pg_timeout=pg_timeout,
@@ -68,7 +69,7 @@ class Attempt:
                      env={"PYTHONPATH": _pythonpath(ROOT), "COURSE_STOP_GRACE": str(STOP_GRACE), **self.box.env,
                           **({"COURSE_RANK_INPUTS": os.path.join(self.jobdir, "inputs", "rank{rank}.pt"),
                               "COURSE_SWITCHBOARD": self.record_dir} if self.switchboard else {}),
-                          **({"COURSE_ISOLATE": "1"} if self.isolated else {})},
+                          **({"COURSE_ISOLATE": "1"} if self.isolated else {}), **(job_env or {})},
                      cwd=self.outdir, interactive=self.interactive)
 
     def hold(self, weeks, pg_timeout: float) -> "Attempt":
@@ -81,11 +82,14 @@ class Attempt:
         self.world = world_of(spec.items)
         self.items = spec.items
         spec.save(os.path.join(self.here, "spec.json"))
+        # the switchboard gives each rank an item's inputs by the job's order of items, not by what a rank asks for
+        job_env = {"COURSE_ITEM_IDS": json.dumps([it.id for it in spec.items])} if self.switchboard else {}
         try:
             if self.launch is None:
-                self.launch = self._start(self.world, [it.week for it in spec.items], timeout, spec.pg_timeout)
+                self.launch = self._start(self.world, [it.week for it in spec.items], timeout, spec.pg_timeout,
+                                          job_env)
             else:
-                self.launch.release(self.world, timeout)
+                self.launch.release(self.world, timeout, job_env)
         except BaseException:
             self.box.__exit__(None, None, None)
             raise
@@ -181,7 +185,6 @@ COMM_LIMIT = 64 << 20       # bytes: the switchboard's record of one launch
 
 def _load_comm_record(record_dir: str) -> dict:
     """{item index: {"entries": {rank: [...]}, "events": [...]}} as the launcher's switchboard wrote it."""
-    import json
     try:
         data = read_regular(os.path.join(record_dir, "comm.json"), COMM_LIMIT)
         return {int(k): v for k, v in json.loads(data)["items"].items()} if data else {}
