@@ -104,14 +104,14 @@ class RankJob:
         from launch import course_pg
         from launch.dist import init_process_group
         self.link = None
-        if course_pg.available():   # the grader's launcher: every collective goes through its switchboard
+        if course_pg.available():   # fork or warm launcher: every collective goes through its switchboard
             course_pg.register()
             self.link = course_pg.link()
             self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             dist.init_process_group(course_pg.BACKEND, store=dist.HashStore(), rank=self.rank, world_size=self.world)
             self.device = torch.device("cpu")
             self.inputs = {}        # each item's inputs come from the switchboard when the item begins
-        else:                       # the student's own checks (warm, torchrun): gloo or NCCL, inputs from a file
+        else:                       # torchrun (GPU nodes): gloo or NCCL between the ranks, inputs from a file
             self.rank, self.world, self.device = init_process_group(timeout_s=self.spec.pg_timeout)
             own = os.environ.pop("COURSE_INPUT_FD", None)    # opened for this rank alone by the fork launcher
             with (os.fdopen(int(own), "rb") if own else open(self.spec.inputs.format(rank=self.rank), "rb")) as f:
