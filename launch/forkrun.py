@@ -83,27 +83,16 @@ def drop_privileges():
     os.setresuid(uid, uid, uid)
 
 
-def open_own_inputs(rank: int):
-    """Open this rank's own input file (COURSE_RANK_INPUTS, a path with {rank}) while the launcher's identity
-    can still read it, and hand the rank the descriptor (COURSE_INPUT_FD): after the privilege drop no rank
-    can open another rank's file (the grader keeps the folder to itself)."""
-    template = os.environ.pop("COURSE_RANK_INPUTS", None)
-    if template:
-        os.environ["COURSE_INPUT_FD"] = str(os.open(template.format(rank=rank), os.O_RDONLY))
-
-
-def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd, result_fd, board_fd):
+def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd, board_fd):
     apply_rlimits()
     if board_fd is not None:     # the switchboard carries this rank's collectives; it holds the inputs too
         os.environ["COURSE_SWITCHBOARD_FD"] = str(board_fd)
         if os.environ.pop("COURSE_ISOLATE", None):     # each rank alone (the grader's box, as root)
             from launch.isolation import close_inherited, isolate, rank_uid
-            close_inherited({write_fd, result_fd, board_fd})
+            close_inherited({write_fd, board_fd})
             uid = rank_uid(int(os.environ["COURSE_RANK_UID"]), rank)
             isolate(rank, os.getcwd(), uid)
             os.environ.update(COURSE_RANK_UID=str(uid), USER=f"rank{rank}")
-    else:
-        open_own_inputs(rank)
     drop_privileges()
     os.dup2(write_fd, 1)
     os.dup2(write_fd, 2)
@@ -112,8 +101,6 @@ def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd, res
     os.dup2(null, 0)
     os.close(null)
     os.environ.update(torchrun_env(rank, nproc, port, run_id))
-    # a private channel to this launcher: what a rank declares here cannot come from another rank
-    os.environ["COURSE_RESULT_FD"] = str(result_fd)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     import warnings  # the module was preloaded before fork on purpose; runpy need not say so
@@ -171,7 +158,7 @@ def main(argv=None) -> int:
 
 
 class Ranks:
-    """The ranks this launcher forked: their output and result pipes, their exit statuses, and stopping them."""
+    """The ranks this launcher forked: their output pipes and switchboard, their exit statuses, stopping them."""
 
     def __init__(self, nproc: int, out):
         self.nproc, self.out = nproc, out
@@ -179,9 +166,7 @@ class Ranks:
         self.board = None                                       # launch.switchboard.Switchboard, if any
         self.pids: dict[int, int] = {}                          # pid -> rank
         self.bufs: dict[int, tuple[int, bytes]] = {}            # output fd -> (rank, partial line)
-        self.result_bufs: dict[int, tuple[int, bytes]] = {}     # result fd -> (rank, partial line)
         self.printed: dict[int, int] = {}
-        self.declared: dict[int, bytes] = {}   # rank -> last "file sha256" line from its result channel
         self.exitcodes: dict[int, int] = {}
         self.order: list[int] = []
 
@@ -191,20 +176,18 @@ class Ranks:
         from launch.switchboard import Switchboard, load_inputs
         template = os.environ.pop("COURSE_RANK_INPUTS", "")
         item_ids = json.loads(os.environ.pop("COURSE_ITEM_IDS", "[]"))     # the job's items, in order
-        self.board = Switchboard(self.nproc, self.sel, load_inputs(template, self.nproc) if template else {},
-                                 item_ids, record_dir)
+        self.board = Switchboard(self.sel, load_inputs(template, self.nproc) if template else {}, item_ids,
+                                 record_dir)
 
     def fork_all(self, target: str, is_module: bool, args: list[str]):
         port, run_id = free_port(), uuid.uuid4().hex[:8]
         for rank in range(self.nproc):
             r, w = os.pipe()
-            rr, rw = os.pipe()
             mine, theirs = socket.socketpair() if self.board else (None, None)
             pid = os.fork()
             if pid == 0:
                 os.close(r)
-                os.close(rr)
-                for other in list(self.bufs) + list(self.result_bufs):   # no rank holds another's pipes
+                for other in self.bufs:                                  # no rank holds another's pipe
                     os.close(other)
                 board_fd = None
                 if self.board:                                           # ... nor another's link
@@ -212,20 +195,17 @@ class Ranks:
                         os.close(fd)
                     mine.close()
                     board_fd = theirs.detach()
-                _rank_main(rank, self.nproc, port, run_id, target, is_module, args, w, rw, board_fd)
+                _rank_main(rank, self.nproc, port, run_id, target, is_module, args, w, board_fd)
             os.close(w)
-            os.close(rw)
             if self.board:
                 theirs.close()
                 self.board.attach(rank, mine)
             self.pids[pid] = rank
             self.bufs[r] = (rank, b"")
-            self.result_bufs[rr] = (rank, b"")
             self.sel.register(r, selectors.EVENT_READ)
-            self.sel.register(rr, selectors.EVENT_READ)
 
     def output_open(self) -> bool:
-        return bool(self.bufs.keys() & self.sel.get_map().keys() or self.result_bufs.keys() & self.sel.get_map().keys())
+        return bool(self.bufs.keys() & self.sel.get_map().keys())
 
     def stop_all(self, sig):
         for pid, rank in self.pids.items():
@@ -236,30 +216,24 @@ class Ranks:
                     pass
 
     def relay(self, timeout: float):
-        """Copy what the ranks printed (prefixed, capped) and keep the last line each declared on its own pipe."""
+        """Copy what the ranks printed (prefixed, capped); serve the switchboard's sockets."""
         for key, events in self.sel.select(timeout=timeout):
             fd = key.fd
             if self.board and self.board.owns(fd):
                 self.board.on_ready(fd, events)
                 continue
-            table = self.result_bufs if fd in self.result_bufs else self.bufs
-            rank, buf = table[fd]
-            chunk = os.read(fd, 4096 if table is self.result_bufs else 65536)
+            rank, buf = self.bufs[fd]
+            chunk = os.read(fd, 65536)
             if not chunk:
                 self.sel.unregister(fd)
                 os.close(fd)
-                if buf and table is self.bufs:
+                if buf:
                     self.out.write(b"[rank %d] " % rank + buf + b"\n")
                 continue
             *lines, buf = (buf + chunk).split(b"\n")
-            if table is self.result_bufs:
-                if lines:
-                    self.declared[rank] = lines[-1][:200]
-            else:
-                for line in lines:
-                    self._print(rank, line)
-                buf = buf[-RANK_OUTPUT_CAP:]      # one endless line
-            table[fd] = (rank, buf)
+            for line in lines:
+                self._print(rank, line)
+            self.bufs[fd] = (rank, buf[-RANK_OUTPUT_CAP:])      # one endless line
         self.out.flush()
 
     def _print(self, rank: int, line: bytes):
@@ -286,19 +260,15 @@ class Ranks:
                 codes.append(self.exitcodes[rank])
         return codes
 
-    def declare(self):
+    def write_record(self):
         if self.board:
             self.board.write_record()
-        # unprefixed, so no rank can print one: every rank line carries "[rank r]"
-        for rank, line in sorted(self.declared.items()):
-            self.out.write(b"@@result %d " % rank + line + b"\n")
-        self.out.flush()
 
     def report(self, timed_out: bool) -> int:
-        """The declarations, then the status line: on stdout, not in a file, because the status must not be
-        writable by the ranks (the sandbox's /tmp is private and the job folder is theirs), and unprefixed
-        lines can only come from this launcher."""
-        self.declare()
+        """The switchboard's record, then the status line: on stdout, not in a file, because the status must not
+        be writable by the ranks, and unprefixed lines can only come from this launcher (every rank line
+        carries "[rank r]")."""
+        self.write_record()
         first = next((r for r in self.order if self.exitcodes[r] != 0), None)
         self.out.write(b"@@status " + json.dumps({"exitcodes": self.exitcodes, "order": self.order,
                                                   "first_failure": first, "timed_out": timed_out}).encode() + b"\n")
@@ -318,15 +288,15 @@ def launch_ranks(nproc: int, target: str, is_module: bool, args: list[str]) -> i
     ranks.fork_all(target, is_module, args)
 
     def stopped(*_):
-        """Stopped at the job's wall clock: the ranks go, but what they declared still reaches the grader
-        (a result written before a hang is not a forgery)."""
+        """Stopped at the job's wall clock: the ranks go, but what the switchboard recorded still reaches the
+        grader (a result handed over before a hang is not a forgery)."""
         ranks.stop_all(signal.SIGKILL)
-        ranks.declare()
+        ranks.write_record()
         os._exit(143)
     signal.signal(signal.SIGTERM, stopped)
     stop_grace = float(os.environ["COURSE_STOP_GRACE"]) if os.environ.get("COURSE_STOP_GRACE") else None
     # the job's wall clock, kept here too: a signal from outside may not reach this process (a sandbox in
-    # its own session), and only this process can still relay what the ranks declared
+    # its own session), and only this process can still write what its switchboard recorded
     deadline = float(os.environ["COURSE_DEADLINE"]) if os.environ.get("COURSE_DEADLINE") else None
     kill_at, term_sent, wall_clock_hit, drain_until = None, False, False, None
     while True:

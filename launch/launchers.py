@@ -26,7 +26,6 @@ class Outcome:
 
 class ForkLauncher:
     name = "fork"
-    private_channel = True      # each rank declares its results on a pipe of its own
 
     def command(self, target: str, module: bool, args, nproc: int | None, preload) -> list[str]:
         cmd = [sys.executable, "-m", "launch.forkrun"] + (["--hold"] if nproc is None else ["--nproc", str(nproc)])
@@ -68,7 +67,6 @@ class WarmLauncher(ForkLauncher):
 
 class TorchrunLauncher:
     name = "torchrun"
-    private_channel = False     # a rank declares its results on its own (prefixed) stdout
 
     def spawn(self, target, module, args, nproc, preload, wrap, env, cwd):
         cmd = [*wrap, sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "0",

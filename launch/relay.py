@@ -1,5 +1,5 @@
-"""What a launcher prints, read line by line: rank output (prefixed `[rank r]`, capped), the ranks' result
-declarations, and the fork/warm launcher's closing `@@status` line."""
+"""What a launcher prints, read line by line: rank output (prefixed `[rank r]`, capped), a torchrun rank's result
+declaration, and the fork/warm launcher's closing `@@status` line."""
 from __future__ import annotations
 
 import json
@@ -11,11 +11,8 @@ MAX_OUTPUT_BYTES = 2_000_000     # a rank printing without end must not fill mem
 
 
 class Relay:
-    def __init__(self, stream: Callable[[str], None] | None = None, private_channel: bool = True):
+    def __init__(self, stream: Callable[[str], None] | None = None):
         self.stream = stream
-        # fork/warm: each rank declares its result file on a pipe of its own, relayed as `@@result r ...`;
-        # torchrun has no private channel per rank, so a rank declares on its own (prefixed) stdout
-        self.private_channel = private_channel
         self.lines: list[str] = []
         self.declared: dict[int, str] = {}
         self.status: dict = {}
@@ -44,15 +41,12 @@ class Relay:
             except ValueError:
                 pass
             return
-        if line.startswith("@@result ") and self.private_channel:
-            _, r, rest = line.split(" ", 2)
-            self.declared[int(r)] = rest
-            return
         m = TORCHRUN_PREFIX.match(line)
         if m:
             line = f"[rank {m.group(1)}] " + line[m.end():]
             body = line.split("] ", 1)[1] if "] " in line else ""
-            if not self.private_channel and body.startswith("@@result "):
+            if body.startswith("@@result "):     # a torchrun rank's result file and its digest (fork and warm
+                # ranks hand their results to the launcher's switchboard instead)
                 self.declared[int(m.group(1))] = body[len("@@result "):].strip()
                 return
         self._seen += len(raw)

@@ -38,7 +38,7 @@ class RunResult:
     first_failure: int | None = None
     leftovers_killed: int = 0
     command: list = field(default_factory=list)
-    declared: dict = field(default_factory=dict)   # rank -> "file sha256" it sent on its private channel
+    declared: dict = field(default_factory=dict)   # rank -> "file sha256" a torchrun rank printed
     job_id: str = ""                               # COURSE_JOB_ID in every process of the job
     order: list = field(default_factory=list)      # ranks in the order their processes ended (fork, warm)
 
@@ -185,7 +185,7 @@ def start(target: str, nproc: int | None, args: Sequence[str] = (), *, module: b
 
 def _deadline(timeout: float) -> str:
     # the fork/warm launcher stops itself at this moment (CLOCK_MONOTONIC is one clock for the whole machine),
-    # a little before this process would, so that it can still relay what the ranks declared
+    # a little before this process would, so that it can still write what its switchboard recorded
     return str(time.monotonic() + max(1.0, timeout - 2.0))
 
 
@@ -232,7 +232,7 @@ class Launch:
         if self.nproc is None:
             raise RuntimeError("this launch is held: release(nproc, timeout) it before wait()")
         kind = LAUNCHERS[self.launcher]
-        relay = Relay(self.stream, private_channel=kind.private_channel)
+        relay = Relay(self.stream)
         timed_out = self._relay_until_done(relay)
         leftovers = self._stop(relay, timed_out)
         seconds = time.monotonic() - self.t0

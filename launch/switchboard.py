@@ -50,11 +50,17 @@ def deadlock_message(states: list[tuple]) -> str:
 
 
 class Post:
+    """One collective a rank posted: its header (op, group, the phase the rank names) and its tensors."""
+
     def __init__(self, rank: int, header: dict, tensors: list):
         self.rank, self.header, self.tensors = rank, header, tensors
-        self.seq = header["seq"]
-        self.op = header["op"]
-        self.label = ""          # "all_reduce #2 (forward)"
+        self.seq, self.op = header["seq"], header["op"]
+        self.ranks = [int(x) for x in header["ranks"]]     # the group's job ranks
+        phase = header.get("phase")
+        self.phase = phase[:MAX_PHASE] if isinstance(phase, str) else "?"
+        peer = int(header.get("peer", -1))
+        self.peer = self.ranks[peer] if self.op in P2P and 0 <= peer < len(self.ranks) else -1
+        self.label = ""          # "all_reduce #2 (forward)", once numbered
 
 
 class Conn:
@@ -66,8 +72,8 @@ class Conn:
 
 
 class Switchboard:
-    def __init__(self, nproc: int, sel, inputs: dict[int, dict], item_ids: list[str], record_dir: str):
-        self.nproc, self.sel, self.inputs, self.record_dir = nproc, sel, inputs, record_dir
+    def __init__(self, sel, inputs: dict[int, dict], item_ids: list[str], record_dir: str):
+        self.sel, self.inputs, self.record_dir = sel, inputs, record_dir
         self.item_ids = item_ids
         self.conns: dict[int, Conn] = {}
         self.index = -1                             # the item every rank is in (-1: before the first)
@@ -233,7 +239,8 @@ class Switchboard:
     def _judge_deadlock(self, live: list[int]):
         by_group: dict[tuple, list[int]] = {}
         for r in self.blocked:
-            by_group.setdefault(tuple(self.groups.get(r, self.conns_ranks())), []).append(r)
+            every = [c.rank for c in self.conns.values()]            # a rank that named no group: the job
+            by_group.setdefault(tuple(self.groups.get(r, every)), []).append(r)
         for group in by_group:
             states = [("gone",) if r not in live else
                       ("waits", self.open_posts[r][self.blocked[r]].label, self.open_posts[r][self.blocked[r]].op)
@@ -252,19 +259,10 @@ class Switchboard:
                 if r in self.blocked:
                     self._fail(r, self.blocked[r], msg, deadlock=True)
 
-    def conns_ranks(self) -> list[int]:
-        return [c.rank for c in self.conns.values()]
-
     # -- collectives -----------------------------------------------------------------------------------------
     def _post(self, post: Post):
-        r, h = post.rank, post.header
-        phase = h.get("phase") if isinstance(h.get("phase"), str) else "?"
-        post.phase = phase[:MAX_PHASE]
+        r, ranks = post.rank, post.ranks
         n = self.op_counts[(r, post.op)] = self.op_counts.get((r, post.op), 0) + 1
-        ranks = [int(x) for x in h["ranks"]]
-        post.ranks = ranks
-        if post.op in P2P:
-            post.peer = ranks[int(h["peer"])] if 0 <= int(h["peer"]) < len(ranks) else -1
         post.label = f"{post.op} #{n} ({post.phase})"
         self.open_posts.setdefault(r, {})[post.seq] = post
         if self.deadlocked:
@@ -273,7 +271,7 @@ class Switchboard:
         if r not in ranks:
             self._fail(r, post.seq, f"rank {r} posted a collective on a group it is not in")
             return
-        group = (h["group"], tuple(ranks))
+        group = (post.header["group"], tuple(ranks))
         if post.op in P2P:
             self._post_p2p(post, group)
             return

@@ -141,7 +141,7 @@ class Sandbox:
     readable: extra files or folders bound read-only at their own paths (the job's inputs).
     setpriv: drop to the unprivileged uid with setpriv inside the box (kernels, torchrun); grading ranks
     started by the fork launcher drop themselves after fork instead (COURSE_RANK_UID), so the launcher
-    that relays their results stays out of their reach.
+    that carries their collectives stays out of their reach.
     """
     writable: list[str] = field(default_factory=list)
     readable: list[str] = field(default_factory=list)

@@ -161,7 +161,7 @@ def _load_rank_file(path: str, rank: int, run) -> tuple[dict, str | None]:
         return {}, f"rank {rank}'s result file cannot be read safely ({exc}): results are ignored."
     if data is None:
         return {}, None
-    if run is not None:     # every launcher relays what each rank declared it wrote
+    if run is not None:     # torchrun relays what each rank declared it wrote
         want = run.declared.get(rank, "")
         if not want and run.timed_out:
             return {}, None         # stopped before it could be relayed: unverified, not forged (a hang)

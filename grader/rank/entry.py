@@ -70,10 +70,9 @@ def import_by_path(name: str, student_dir: str):
     return module
 
 
-_RESULT_FD: str | None = None   # read before any student code runs, so it cannot be swapped
-
-
 def _save(path: str, results: dict):
+    """torchrun: write this rank's results, and declare their digest on its stdout, which torchrun prefixes with
+    the rank (a file another rank changed no longer matches)."""
     import hashlib
     import io
     buf = io.BytesIO()
@@ -83,11 +82,7 @@ def _save(path: str, results: dict):
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
-    line = f"{os.path.basename(path)} {hashlib.sha256(data).hexdigest()}"
-    if _RESULT_FD:  # tell the launcher, over this rank's own pipe, what this rank wrote
-        os.write(int(_RESULT_FD), (line + "\n").encode())
-    else:           # torchrun: on this rank's stdout, which torchrun prefixes with the rank
-        print(f"@@result {line}", flush=True)
+    print(f"@@result {os.path.basename(path)} {hashlib.sha256(data).hexdigest()}", flush=True)
 
 
 class RankJob:
@@ -113,8 +108,7 @@ class RankJob:
             self.inputs = {}        # each item's inputs come from the switchboard when the item begins
         else:                       # torchrun (GPU nodes): gloo or NCCL between the ranks, inputs from a file
             self.rank, self.world, self.device = init_process_group(timeout_s=self.spec.pg_timeout)
-            own = os.environ.pop("COURSE_INPUT_FD", None)    # opened for this rank alone by the fork launcher
-            with (os.fdopen(int(own), "rb") if own else open(self.spec.inputs.format(rank=self.rank), "rb")) as f:
+            with open(self.spec.inputs.format(rank=self.rank), "rb") as f:
                 self.inputs = torch.load(f, weights_only=True)   # this rank's own inputs, nothing of its peers'
             # the harness's own group: between items, outside any student code (bounded by the wall clock only)
             self.control = dist.new_group(list(range(self.world)), timeout=datetime.timedelta(hours=1))
@@ -180,9 +174,8 @@ class RankJob:
     def save(self, item: Item, record: RankRecord):
         if self.link is not None:   # handed over at once: the switchboard keeps it where no rank can reach
             import io
-            buf = io.BytesIO()
-            record.ledger = []      # the switchboard's record of the collectives is the one graded
-            torch.save(record.to_saved(), buf)
+            buf = io.BytesIO()      # without the ledger: the switchboard's record of the collectives is graded
+            torch.save({**record.to_saved(), "ledger": []}, buf)
             self.link.tell({"k": "end", "index": self.index, "failed": bool(record.error)},
                            [torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)])
             return
@@ -273,8 +266,6 @@ class RankJob:
 
 
 def main(attempt: str) -> int:
-    global _RESULT_FD
-    _RESULT_FD = os.environ.pop("COURSE_RESULT_FD", None)   # before any student code runs
     job = RankJob(attempt)
     job.start()
     failed_last, last = False, None
