@@ -199,7 +199,7 @@ class Switchboard:
         self.blocked: dict[int, int] = {}           # rank -> the seq it waits on
         self.ended: set[int] = set()
         self.deadlocked: str = ""
-        self.groups: dict[int, list[int]] = {}      # rank -> its item group (job ranks), for messages
+        self.groups: dict[int, list[int]] = {}      # rank -> its item group (job ranks), as it says at begin
 
     def _item(self) -> dict:
         return self.record.setdefault(self.index, {"item": None, "entries": {}, "events": []})
@@ -270,6 +270,13 @@ class Switchboard:
             return
         if r not in ranks:
             self._fail(r, post.seq, f"rank {r} posted a collective on a group it is not in")
+            return
+        mine = self.groups.get(r)
+        if mine is not None and not set(ranks) <= set(mine):
+            # ranks outside the item's group are not running it: such a collective could only wait
+            self._fail(r, post.seq, f"{post.label} is on a group of {len(ranks)} ranks, but this check runs on "
+                       f"{len(mine)}, and the others are not in it: a collective on the default group (no group=), or "
+                       "a group or mesh built from dist.get_world_size()? Use the group you are given.")
             return
         group = (post.header["group"], tuple(ranks))
         if post.op in P2P:

@@ -121,6 +121,23 @@ def test_ranks_that_disagree_on_a_collective_are_told_which_and_how(tmp_path):
     assert [ev["kind"] for ev in record["0"]["events"]] == ["mismatch"]
 
 
+def test_a_collective_beyond_the_items_group_is_refused_at_once(tmp_path):
+    """An item of size 2 on a 3-rank job runs on ranks 1 and 2 (grader.rank.exchange.participants); rank 0 sits it
+    out. An all-reduce on the default group there could only wait for rank 0: both ranks are told at once why."""
+    p, record, _ = run_ranks(tmp_path, """
+        link.request({"k": "begin", "index": 0, "group": [1, 2] if r else None})
+        if r:
+            try:
+                dist.all_reduce(torch.ones(4))
+            except RuntimeError as exc:
+                print(f"TOLD {exc}", flush=True)
+        link.request({"k": "begin", "index": 1, "group": None})
+    """, nproc=3)
+    assert p.stdout.count("TOLD all_reduce #1 (setup) is on a group of 3 ranks, but this check runs on 2, and the "
+                          "others are not in it") == 2, p.stdout[-3000:]
+    assert record["0"]["entries"] == {} and record["0"]["events"] == []
+
+
 def test_a_result_handed_over_is_kept_and_cannot_be_replaced(tmp_path):
     """What a rank hands over at an item's end is stored at once; a second hand-over of the same item, or one
     for an item that is not the current one, is ignored."""

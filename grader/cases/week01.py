@@ -28,8 +28,8 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  5. return a new tensor, leave x unchanged -> every case: ctx.hand("x") (fixture reduce_scatter_in_place)
  6. only send/recv traffic, no dist.all_reduce -> every case: Contract.allowed_ops (fixture uses_all_reduce)
  7. bytes sent per rank = the ring optimum within 1% -> every case: Contract.bytes_sent["all"]
- 8. use `group` (t=3 runs on ranks 0-2 of a 4-rank job, t=2 on two groups) -> world_sizes (2, 3, 4) on a
-    4-rank job: a global rank or world size breaks the sub-group runs
+ 8. use `group` (t=3 runs on ranks 1-3 of a 4-rank job, t=2 on ranks 2-3) -> world_sizes (2, 3, 4) on a
+    4-rank job: a global rank or world size breaks the smaller sizes; the default group is refused
  9. a ring step that cannot deadlock (non-blocking ops) -> every case: the deadlock watch names the ranks waiting
     in their sends (fixture deadlock_send_first)
 9 rules stated; 9 checked before this issue (rule 5 by an `x_unchanged` tensor), 9 checked now.

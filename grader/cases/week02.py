@@ -15,7 +15,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  4. shards live in self.weight / self.bias, nn.Parameters shaped like nn.Linear's -> every case: Contract.params
     (names and shapes)
  5. use `group` and dist.get_rank(group) / get_world_size(group) -> world_sizes (2, 4) on a 4-rank job (t=2 runs
-    on two sub-groups)
+    on ranks 2 and 3)
  6. row-parallel keeps columns r*in/t:(r+1)*in/t of W -> row_parallel*: Contract.params, `dW`
  7. its forward ends in g: all-reduce forward -> row cases: counts forward {all_reduce: 1} (fixture deadlock_skip)
  8. g's backward is the identity -> row cases: `dx`, `dW` (fixture wrong_weight_grad)

@@ -33,7 +33,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
     attention_gqa (t=4 copies): Contract.params, `d.k_proj.weight`, `d.v_proj.weight` (fixture wrong_kv_head)
  5. a copy's grad is the partial grad: no all-reduce of k/v grads inside the block -> `d.k_proj.weight`
     (fixture copy_grad_zeroed), counts backward
- 6. use `group` and dist.get_rank(group) -> world_sizes (2, 4) on a 4-rank job (t=2 on two sub-groups)
+ 6. use `group` and dist.get_rank(group) -> world_sizes (2, 4) on a 4-rank job (t=2 on ranks 2 and 3)
  7. keep the HF module names -> Contract.params by name; the grads are read by name (a missing one is reported)
  8. MLP: gate/up keep rows r*ffn/t:(r+1)*ffn/t, down those columns -> block*: Contract.params, `d.mlp.*.weight`
  9. SwiGLU runs locally, no communication -> block: counts forward {all_reduce: 2}

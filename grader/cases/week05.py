@@ -28,7 +28,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  2. ReduceScatterToSequence: reduce-scatter along T forward, all-gather backward -> sequence_ops:
     `y_reduce_scatter`, `dx_reduce_scatter`, Contract.counts
  3. the collectives split dim 0: move the sequence (dim 1) to the front -> the values (fixture rs_wrong_dim)
- 4. use `group` in every collective -> world_sizes (2, 4) on a 4-rank job (t=2 on two sub-groups)
+ 4. use `group` in every collective -> world_sizes (2, 4) on a 4-rank job (t=2 on ranks 2 and 3)
  5. the dense module names, each holding this rank's shard (q/k/v, gate/up rows; o, down columns) -> sp_block*:
     Contract.params, `dq_proj` ... `ddown_proj`
  6. the two norm weights stay whole (replicated) -> Contract.params (C,)

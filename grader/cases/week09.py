@@ -31,7 +31,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 11. None on every other stage -> `returns None on a stage other than the last` (new; fixture
     pipeline_loss_everywhere)
 12. backward with the received gradient, input.grad sent back -> `weight grads of this stage (flattened)`, bytes
-13. group_src / group_dst (ranks inside `group`) -> world_sizes (2, 4) on a 4-rank job (t=2 on two sub-groups)
+13. group_src / group_dst (ranks inside `group`) -> world_sizes (2, 4) on a 4-rank job (t=2 on ranks 2 and 3)
 14. isend, waited at the end (a blocking send can wait for its neighbour's) -> the deadlock watch names a cycle
  Task 3 (planner):
 15. memory_per_gpu's four terms -> `memory_per_gpu GB (tp=..,pp=..,dp=..)`

@@ -27,7 +27,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
     `dispatch split sizes (ledger)`, `bytes of rows sent`
  9. AllToAll backward: the reverse all-to-all (splits swapped) -> all_to_all: `dx`, Contract.counts backward
     {all_to_all: 1} (fixture backward_no_comm)
-10. use `group` in every collective -> world_sizes (2, 4) on a 4-rank job (t=2 on two sub-groups)
+10. use `group` in every collective -> world_sizes (2, 4) on a 4-rank job (t=2 on ranks 2 and 3)
 11. EPMoE holds `router` (E, H) and only its experts, `w1` (E/t, F, H), `w2` (E/t, H, F) -> ep_layer:
     Contract.params, `dw1`, `dw2`; a rank receives only those (rank_inputs)
 12. dropped assignments never leave the rank; kept ones go to their expert's rank -> ep_layer: `dispatch split

@@ -251,7 +251,7 @@ def compare_item(case: Case, item: Item, ref: dict, results: dict[int, RankRecor
                 (deadlock if judged else raised).append(msg)
             else:
                 fallout.append(f"rank {r}: left waiting in {last_collective(res)} because "
-                               f"{rank_list(j % t for j in culprits)} failed.")
+                               f"{rank_list(res.group.index(j) for j in culprits)} failed.")
             continue
         if contract is not None:   # sharding and communication first: they explain the numbers
             comm += check_contract(contract, res, r)

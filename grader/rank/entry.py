@@ -1,7 +1,7 @@
 """Rank entry of a grading job: `python -m grader.rank.entry JOBDIR/attemptK` on every rank.
 
 Each item of the job is a case at one tensor-parallel size t; the student gets a process
-group of t ranks (sub-groups when t is smaller than the job).
+group of t ranks: the job's last t (exchange.participants).
 
 Under the fork and warm launchers the groups are the "course" backend (launch/course_pg.py): every
 collective goes to the launcher's switchboard, which also hands each rank an item's inputs when all
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from grader.rank.context import GradingError, RankContext
-from grader.rank.exchange import DEADLOCKED, Item, JobSpec, RankRecord, failed_with, group_of
+from grader.rank.exchange import DEADLOCKED, Item, JobSpec, RankRecord, failed_with, participants
 from grader.rank.seal import Seal, Tampered
 from grader.rank.watch import Deadlock, Watch
 from tpkit.ledger import CommLedger
@@ -144,17 +144,13 @@ class RankJob:
         return bool(header.get("failed_last"))
 
     def make_groups(self, t: int):
-        """This rank's (group, job ranks) at size t, made by all ranks in the same order; None: it sits t out.
+        """This rank's (group, job ranks) at size t, made by all ranks; None: it sits t out (participants).
         Made anew after an item in which any rank failed: a collective that timed out leaves its gloo group
         unusable, and a late peer must not be matched by the next item's collectives."""
         timeout = datetime.timedelta(seconds=self.spec.pg_timeout)
-        mine = None
-        for start in range(0, self.world - self.world % t, t):
-            ranks = group_of(start, t, self.world)
-            g = dist.new_group(ranks, timeout=timeout)
-            if self.rank in ranks:
-                mine = (g, ranks)
-        return mine
+        ranks = participants(t, self.world)
+        g = dist.new_group(ranks, timeout=timeout)
+        return (g, ranks) if self.rank in ranks else None
 
     def meet(self, failed_last: bool, last: Item):
         """Every rank meets here between items: a rank that failed fast waits for peers still timing out in the
@@ -185,7 +181,7 @@ class RankJob:
     def run_item(self, item: Item) -> bool:
         """Run one item on this rank and save its record; True if this rank failed it."""
         plan = self.groups[item.t]
-        if plan is None:      # this rank sits the item out (e.g. t=3 on a 4-rank job)
+        if plan is None:      # this rank sits the item out (t=2 on a 4-rank job: ranks 0 and 1)
             return False
         group, ranks = plan
         skip = failed_with(item.case, self.failed_cases, self.spec.graded_together)

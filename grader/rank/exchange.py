@@ -53,19 +53,22 @@ class JobSpec:
 
 
 def world_of(items: list[Item]) -> int:
-    """A launch runs every item on max(t) ranks; smaller sizes on sub-groups."""
+    """A launch runs every item on max(t) ranks; a smaller size on a group of them (participants)."""
     return max(it.t for it in items)
 
 
-def group_of(job_rank: int, t: int, world: int) -> list[int] | None:
-    """The job ranks of `job_rank`'s group at size t: consecutive blocks of t; None if it sits the size out
-    (e.g. t=3 on a 4-rank job)."""
-    start = job_rank - job_rank % t
-    return list(range(start, start + t)) if start + t <= world else None
-
-
 def participants(t: int, world: int) -> list[int]:
-    return list(range(0, world - world % t))
+    """The job ranks that run an item of size t, as one group: the job's last t ranks; the others sit it out.
+    One group, not world // t copies of it: a second group would compute the same item again, for no more
+    evidence. The last ranks, not the first: a rank's place in the group then differs from its job rank
+    whenever t < world, so code that uses dist.get_rank() or the default group where it must use the group
+    it is given fails at every smaller size."""
+    return list(range(world - t, world))
+
+
+def group_rank(job_rank: int, t: int, world: int) -> int:
+    """`job_rank`'s rank in the group of an item of size t (participants)."""
+    return job_rank - (world - t)
 
 
 def failed_with(case: str, failed_cases: set[str], graded_together: list[list[str]]) -> str | None:
