@@ -83,13 +83,19 @@ def test_a_class_graded_in_slices_merges_into_one_gradebook(course):
 
 def test_a_worker_past_its_timeout_is_killed_and_named(course, monkeypatch):
     """A submission whose notebook never ends cannot stall a class: its worker is killed at the worker timeout
-    with everything it started, and the run names the student instead of hanging."""
+    with everything it started, and the run names the student instead of hanging. Nothing of it is left in
+    the temporary folder: not the killed worker's kernel box, not the run's reports."""
+    import tempfile
     import time
     from grader.autograde import class_autograde
     monkeypatch.setattr(class_autograde, "WORKER_TIMEOUT", 10.0)
+    tmp = tempfile.mkdtemp(prefix="class-tmp-")    # not pytest's tmp_path: a kernel socket's path must stay short
+    monkeypatch.setattr(tempfile, "tempdir", tmp)
     nbgrader(["generate_assignment", "week02", "--force"], course)
     slow = build("week02", {"base": "solution", "append_cell": "import time\ntime.sleep(600)"})
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="autograde failed for never_ends"):
         autograde(course, "week02", {"never_ends": slow})
     assert time.monotonic() - t0 < 90           # two tries of 10 s each, then the verdict
+    assert os.listdir(tmp) == []
+    os.rmdir(tmp)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -21,7 +22,6 @@ import time
 
 from grader.autograde.nbgrader_tools import CONFIG, course_api, course_config, gradebook_rows
 from grader.judge.timeouts import EXECUTE_TIMEOUT
-
 
 
 def students_with_submissions(course: str, week: str) -> list[str]:
@@ -53,11 +53,14 @@ TAKEN = 3   # a worker's exit status: another worker holds this student (grader.
 WORKER_TIMEOUT = 3 * EXECUTE_TIMEOUT
 
 
-def _grade_in_child(course: str, week: str, student: str, report: str, db_url: str):
-    """In a forked worker: autograde one submission; write nbgrader's result, then leave."""
+def _grade_in_child(course: str, week: str, student: str, report: str, db_url: str, tmp: str):
+    """In a forked worker: autograde one submission; write nbgrader's result, then leave. Its temporary
+    folders (the kernel's box, the job's) go under `tmp`, which the driver removes even if it kills the worker."""
     from grader.autograde.gradebooks import Taken, claim
     code = 1
     try:
+        tempfile.tempdir = tmp
+        os.environ["TMPDIR"] = tmp
         # this worker's and its kernel's chatter (nbgrader's SQLAlchemy warnings, ipykernel's banner) go to
         # the student's log, not the instructor's console
         log = os.open(report[:-len(".json")] + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -105,11 +108,14 @@ def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] |
     add_students(db_url, students)
     workers = _Workers(course, week, db_url, out)
     n = len(students)
-    retry = workers.run(students, max(1, jobs), lambda k: f"[{k}/{n}]")
-    still = workers.run(retry, 1, lambda k: "[retry]")
-    if still or workers.taken:
-        raise RuntimeError("autograde failed for " + ", ".join(still + workers.taken) + ":\n" +
-                           "\n".join(workers.why(s) for s in workers.taken + still))
+    try:
+        retry = workers.run(students, max(1, jobs), lambda k: f"[{k}/{n}]")
+        still = workers.run(retry, 1, lambda k: "[retry]")
+        if still or workers.taken:
+            raise RuntimeError("autograde failed for " + ", ".join(still + workers.taken) + ":\n" +
+                               "\n".join(workers.why(s) for s in workers.taken + still))
+    finally:
+        shutil.rmtree(workers.reports, ignore_errors=True)   # the workers' reports and logs, read above
     return workers.seconds
 
 
@@ -125,18 +131,21 @@ class _Workers:
         self.t0 = time.monotonic()
 
     def run(self, queue: list[str], parallel: int, label) -> list[str]:
-        running: dict[int, tuple[str, float]] = {}
+        running: dict[int, tuple[str, float, str]] = {}
         failed, done, queue = [], 0, list(queue)
         while queue or running:
             while queue and len(running) < parallel:
                 student = queue.pop(0)
+                # short: the kernel's sockets live below it, and a socket's path has at most 107 bytes
+                tmp = tempfile.mkdtemp(prefix="w", dir=self.reports)
                 pid = os.fork()
                 if pid == 0:
                     os.setpgid(0, 0)     # the worker and all it starts: one group, killed together on timeout
-                    _grade_in_child(self.course, self.week, student, self._report(student), self.db_url)
-                running[pid] = (student, time.monotonic())
+                    _grade_in_child(self.course, self.week, student, self._report(student), self.db_url, tmp)
+                running[pid] = (student, time.monotonic(), tmp)
             pid, code = self._next_exit(running)
-            student, started = running.pop(pid)
+            student, started, tmp = running.pop(pid)
+            shutil.rmtree(tmp, ignore_errors=True)
             self.seconds[student] = time.monotonic() - started
             if code == TAKEN:
                 self.taken.append(student)
@@ -149,14 +158,14 @@ class _Workers:
                   f"{time.monotonic() - self.t0:.0f} s elapsed", file=self.out, flush=True)
         return failed
 
-    def _next_exit(self, running: dict[int, tuple[str, float]]) -> tuple[int, int]:
+    def _next_exit(self, running: dict[int, tuple[str, float, str]]) -> tuple[int, int]:
         """(pid, exit status) of the next worker to end; kills one that has run past WORKER_TIMEOUT."""
         while True:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid in running:
                 return pid, os.waitstatus_to_exitcode(status)
             if pid == 0:
-                for p, (_, started) in running.items():
+                for p, (_, started, _) in running.items():
                     if time.monotonic() - started > WORKER_TIMEOUT:
                         try:
                             os.killpg(p, signal.SIGKILL)
