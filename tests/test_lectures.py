@@ -3,7 +3,6 @@ import glob
 import json
 import os
 import re
-import tempfile
 
 import pytest
 
@@ -23,8 +22,8 @@ def test_lecture_is_committed_executed(path):
 
 @pytest.mark.serial          # timed cells: run alone (make test's second pass), never beside other tests
 @pytest.mark.parametrize("path", LECTURES, ids=[os.path.basename(p) for p in LECTURES])
-def test_lecture_executes(path):
-    out = os.path.join(tempfile.mkdtemp(), os.path.basename(path))
+def test_lecture_executes(path, tmp_path):
+    out = str(tmp_path / os.path.basename(path))
     seconds = execute_lecture(path, out)
     print(f"{os.path.basename(path)}: {seconds:.0f} s")
 
