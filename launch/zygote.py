@@ -13,11 +13,13 @@ The zygote exits with its parent, when the code it preloaded changes, or after a
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import signal
 import socket
+import stat
 import sys
 import time
 
@@ -49,8 +51,32 @@ def set_process_name(name: str):
         pass
 
 
+def _socket_prefix() -> str:
+    return f"/tmp/course-zygote-{os.getuid()}-"
+
+
 def socket_path(owner_pid: int | None = None) -> str:
-    return f"/tmp/course-zygote-{os.getuid()}-{owner_pid or os.getpid()}.sock"
+    return f"{_socket_prefix()}{owner_pid or os.getpid()}.sock"
+
+
+def reap_stale_sockets():
+    """Remove this user's zygote sockets whose kernel is gone. A kernel stopped with its process group takes
+    its zygote along before the zygote can remove its own socket; the next zygote to start cleans up."""
+    prefix = _socket_prefix()
+    for path in glob.glob(prefix + "*.sock"):
+        owner = path[len(prefix):-len(".sock")]
+        try:
+            st = os.lstat(path)
+            if not (owner.isdigit() and stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid()):
+                continue
+            os.kill(int(owner), 0)
+        except ProcessLookupError:          # the owner is gone
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except OSError:                     # vanished meanwhile, or an owner we may not signal: leave it
+            pass
 
 
 def _serve_job(req: dict, out_fd: int):
@@ -149,6 +175,7 @@ def ensure_zygote(preload: tuple[str, ...] = (), start_timeout: float = 120.0) -
         os.unlink(path)   # a stale zygote (old code) keeps running until idle; a new one takes the name
     except OSError:
         pass
+    reap_stale_sockets()
     env = dict(os.environ)
     env["PYTHONPATH"] = PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     subprocess.Popen([sys.executable, "-m", "launch.zygote", path, ",".join(preload)], env=env,

@@ -106,6 +106,34 @@ def test_a_warm_launcher_that_cannot_start_falls_back_to_fork(script, monkeypatc
     assert "starts its own (fork) launcher" in capsys.readouterr().err
 
 
+def test_a_zygote_socket_whose_kernel_is_gone_is_removed():
+    """A kernel stopped with its process group takes its zygote along, socket left behind: the next zygote to
+    start removes it, and leaves a live kernel's socket alone."""
+    import socket
+    import subprocess
+    import launch.zygote as zygote
+    gone, live = subprocess.Popen(["true"]), subprocess.Popen(["sleep", "60"])
+    gone.wait()
+    paths = {pid: zygote.socket_path(pid) for pid in (gone.pid, live.pid)}
+    socks = []
+    for path in paths.values():
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(path)
+        socks.append(s)
+    try:
+        zygote.reap_stale_sockets()
+        assert not os.path.exists(paths[gone.pid])
+        assert os.path.exists(paths[live.pid])
+    finally:
+        live.kill()
+        live.wait()
+        for s in socks:
+            s.close()
+        for path in paths.values():
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 @pytest.mark.parametrize("launcher", ["warm", "fork"])
 def test_crash_names_the_root_cause_rank(script, launcher):
     res = run(script, 3, ["crash"], module=False, timeout=60, launcher=launcher)
