@@ -39,13 +39,13 @@ def test_compare_messages():
 
 def test_contract_messages():
     c = Contract(counts={"forward": {"all_reduce": 1}}, params={"weight": (4, 8)})
-    res = RankRecord(group=[0, 1], ledger=[{"phase": "forward", "op": "all_reduce", "sent": 0}] * 2,
+    res = RankRecord(ledger=[{"phase": "forward", "op": "all_reduce", "sent": 0}] * 2,
                      params={"weight": [8, 8]})
     probs = check_contract(c, res, 0)
     assert "rank 0: forward used 2 all_reduce; the contract is 1." in probs
     assert any("keeps `weight` of shape (8, 8); its shard is (4, 8)" in p for p in probs)
     c = Contract(allowed_ops={"send", "recv"}, bytes_sent={"all": 96})
-    probs = check_contract(c, RankRecord(group=[0, 1, 2], ledger=[{"phase": "forward", "op": "all_reduce", "sent": 96}]), 2)
+    probs = check_contract(c, RankRecord(ledger=[{"phase": "forward", "op": "all_reduce", "sent": 96}]), 2)
     assert any("only recv, send are allowed" in p for p in probs)
 
 
@@ -54,7 +54,24 @@ def test_error_descriptions():
     assert describe_error(stub, 0) == "rank 0: not implemented yet: `Layer.forward` (m.py line 7) raises NotImplementedError: x"
     comm = "Traceback...\nRuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
     assert is_comm_error(comm) and not is_comm_error(stub)
-    assert "lost its peers in its first collective" in describe_error(comm, 1, RankRecord(group=[0, 1]))
+    assert "lost its peers in its first collective" in describe_error(comm, 1, RankRecord())
+
+
+def test_each_rank_is_compared_with_the_shard_of_its_place_in_the_group():
+    """At t=2 of 4 the item runs on job ranks 2 and 3, group ranks 0 and 1 (participants): rank 2's result is
+    compared with shard 0. Which shard is the trusted side's to know; a record cannot say."""
+    from grader.judge.case import Case
+    from grader.judge.compare import compare_item
+    from grader.rank.exchange import participants
+    case = Case(name="t/shards", module="m", world_sizes=(2,), config={}, make_inputs=None, reference=None,
+                run_rank="f", expected=lambda cfg, ref, r, t: {"y": ref["y"].chunk(t)[r]})
+    item = Item(id="t/shards@t2", case="t/shards", module="m", run_rank="f", t=2, seed=0, config={}, timeout=10)
+    ref = {"y": torch.arange(4.0)}
+    group = participants(2, 4)
+    right = {j: RankRecord(tensors={"y": ref["y"].chunk(2)[i]}) for i, j in enumerate(group)}
+    assert compare_item(case, item, ref, group, right, {}).passed
+    swapped = {j: RankRecord(tensors={"y": ref["y"].chunk(2)[1 - i]}) for i, j in enumerate(group)}
+    assert not compare_item(case, item, ref, group, swapped, {}).passed
 
 
 def test_timeouts_nest():

@@ -224,11 +224,13 @@ def rank_list(ranks) -> str:
     return f"ranks {', '.join(rs[:-1])} and {rs[-1]}"
 
 
-def compare_item(case: Case, item: Item, ref: dict, results: dict[int, RankRecord | None],
+def compare_item(case: Case, item: Item, ref: dict, group: list[int], results: dict[int, RankRecord | None],
                  missing_reason: dict[int, str]) -> ItemVerdict:
     """Every problem of one case at one t, the likely root cause first: what a rank communicated or
     holds, then its own exception, a deadlock, ranks without results, peers that only saw the fallout,
-    and last the tensors, in data-flow order (outputs before input grads before weight grads)."""
+    and last the tensors, in data-flow order (outputs before input grads before weight grads).
+    `group`: the job ranks that ran the item, in group-rank order (exchange.participants), which decides the
+    shard each rank's result is compared with; never what a rank says of itself."""
     t = item.t
     v = ItemVerdict(item_id=item.id, case=case.name, t=t, passed=True)
     contract = case.contract(item.config, t) if case.contract else None
@@ -240,7 +242,7 @@ def compare_item(case: Case, item: Item, ref: dict, results: dict[int, RankRecor
         if res is None:
             missing.append(missing_reason.get(job_rank, f"rank {job_rank} wrote no result."))
             continue
-        r = res.group.index(job_rank)
+        r = group.index(job_rank)
         if job_rank in errors:
             # a rank whose collective broke because a peer raised or died only saw the fallout
             culprits = sorted(own | {j for j, x in results.items() if x is None})
@@ -251,7 +253,7 @@ def compare_item(case: Case, item: Item, ref: dict, results: dict[int, RankRecor
                 (deadlock if judged else raised).append(msg)
             else:
                 fallout.append(f"rank {r}: left waiting in {last_collective(res)} because "
-                               f"{rank_list(res.group.index(j) for j in culprits)} failed.")
+                               f"{rank_list(group.index(j) for j in culprits)} failed.")
             continue
         if contract is not None:   # sharding and communication first: they explain the numbers
             comm += check_contract(contract, res, r)

@@ -205,24 +205,11 @@ def _missing_reason(job_rank: int, item: Item, run, progress: dict, finished_by:
     return f"rank {label}: the process {how}, {where}{others}.{shown}"
 
 
-def _desync(results: dict) -> str | None:
-    """Name the first collective on which the ranks of one group of an item disagree."""
-    groups: dict[tuple, dict] = {}
-    for r, res in results.items():
-        if res is not None:
-            groups.setdefault(tuple(res.group), {})[r] = res
-    for members in groups.values():
-        msg = _desync_group(members)
-        if msg:
-            return msg
-    return None
-
-
-def _desync_group(results: dict) -> str | None:
+def _desync(group: list[int], results: dict) -> str | None:
+    """Name the first collective on which the ranks of an item's group disagree."""
     # point-to-point order differs between ranks by design (pipeline stages): compare collectives only
-    seqs = {res.group.index(r): [(e.get("phase"), e.get("op")) for e in res.ledger
-                                    if e.get("op") not in ("send", "recv")]
-            for r, res in results.items()}
+    seqs = {group.index(r): [(e.get("phase"), e.get("op")) for e in res.ledger if e.get("op") not in ("send", "recv")]
+            for r, res in results.items() if res is not None}
     if len({tuple(s) for s in seqs.values()}) <= 1:
         return None
     n = max(len(s) for s in seqs.values())
@@ -376,8 +363,7 @@ def _judgeable(items: list[Item], run, results: dict) -> list[Item]:
 
 
 def _result(results: dict, r: int, it: Item) -> RankRecord | None:
-    x = results["ranks"].get(r, {}).get(it.id)
-    return x if x is not None and r in x.group else None
+    return results["ranks"].get(r, {}).get(it.id)
 
 
 def _complete(it: Item, results: dict) -> bool:
@@ -395,9 +381,9 @@ def _judge(it: Item, ref: dict, results: dict, run) -> ItemVerdict:
     reasons = {r: results["untrusted"].get(r) or
                _missing_reason(r, it, run, results["progress"], finished, results["world"])
                for r in part if res[r] is None}
-    v = compare_item(case, it, ref, res, reasons)
+    v = compare_item(case, it, ref, part, res, reasons)
     own_errors = any(x is not None and x.error and not is_comm_error(x.error) for x in res.values())
-    d = None if own_errors else _desync(res)   # a rank's own exception explains the rest
+    d = None if own_errors else _desync(part, res)   # a rank's own exception explains the rest
     if d and not v.passed:
         v.problems.insert(0, d)
     return v

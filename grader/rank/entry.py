@@ -186,12 +186,12 @@ class RankJob:
         group, ranks = plan
         skip = failed_with(item.case, self.failed_cases, self.spec.graded_together)
         if skip:
-            self.save(item, RankRecord(group=ranks, skipped=skip))
+            self.save(item, RankRecord(skipped=skip))
             return False
         ledger = CommLedger(group_size=item.t, progress_file=self.progress, label=item.id)
         ctx = RankContext(rank=ranks.index(self.rank), world_size=item.t, group=group, device=self.device,
                           ledger=ledger)
-        record = RankRecord(group=ranks)
+        record = RankRecord()
         ProgressFile.at(self.progress).write({"item": item.id, "phase": "import", "where": "importing your module"})
         t0 = time.perf_counter()
         self._arm(item, record, ledger, ctx, t0)

@@ -83,8 +83,8 @@ _SCALAR = (str, int, float, bool, type(None))
 
 @dataclass
 class RankRecord:
-    """What one rank reports for one item."""
-    group: list[int]                       # the job ranks of its group
+    """What one rank reports for one item. Which group it ran in is not its to say: the trusted side knows
+    (participants)."""
     tensors: dict = field(default_factory=dict)     # name -> tensor or None, for the trusted compare
     params: dict = field(default_factory=dict)      # parameter name -> shape this rank's module holds
     ledger: list = field(default_factory=list)      # the in-process record of collectives (teaching evidence)
@@ -101,15 +101,13 @@ class RankRecord:
         import torch
         if not isinstance(rec, dict):
             raise ValueError(f"a {type(rec).__name__}, not a record")
-        kinds = {"group": list, "tensors": dict, "params": dict, "ledger": list, "error": str, "skipped": str,
+        kinds = {"tensors": dict, "params": dict, "ledger": list, "error": str, "skipped": str,
                  "seconds": (int, float)}
         for key, val in rec.items():
             if key not in kinds:
                 raise ValueError(f"an unknown field `{key}`")
             if not isinstance(val, kinds[key]) or isinstance(val, bool):
                 raise ValueError(f"`{key}` is a {type(val).__name__}")
-        if "group" not in rec or not all(isinstance(r, int) and not isinstance(r, bool) for r in rec["group"]):
-            raise ValueError("`group` is not a list of ranks")
         if not all(isinstance(k, str) and (v is None or isinstance(v, torch.Tensor))
                    for k, v in rec.get("tensors", {}).items()):
             raise ValueError("`tensors` holds something other than tensors")
