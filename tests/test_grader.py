@@ -161,9 +161,9 @@ def test_a_rank_that_lost_its_peers_is_not_blamed():
     run = _run({1: -11, 0: -15, 2: -15, 3: -15}, order=[1, 0, 2, 3])
     progress = {0: {"item": item.id, "where": "waiting", "op": "all_reduce", "index": 1, "phase": "forward"},
                 1: {"item": item.id, "phase": "forward", "where": "between collectives"}}
-    crashed = _missing_reason(1, item, run, progress, [], world=4)
+    crashed = _missing_reason(1, item, run, progress, [], [0, 1, 2, 3])
     assert crashed.startswith("rank 1: the process crashed (signal 11, a segmentation fault)")
-    stopped = _missing_reason(0, item, run, progress, [], world=4)
+    stopped = _missing_reason(0, item, run, progress, [], [0, 1, 2, 3])
     assert "stopped by the grader after rank 1's process ended" in stopped
     assert "os._exit" not in stopped and "signal 15" not in stopped
 
@@ -174,7 +174,7 @@ def test_an_abort_inside_a_collective_names_the_size_mismatch():
                 t=2, seed=0, config={}, timeout=15)
     run = _run({0: -6, 1: -6}, order=[0, 1])
     progress = {0: {"item": item.id, "where": "inside", "op": "all_reduce", "index": 1, "phase": "forward"}}
-    msg = _missing_reason(0, item, run, progress, [], world=2)
+    msg = _missing_reason(0, item, run, progress, [], [0, 1])
     assert "aborted (signal 6): gloo aborts a process when the ranks pass tensors of different sizes" in msg
     assert "not in a collective" not in msg and "in all_reduce #1 (forward)" in msg
 

@@ -27,8 +27,7 @@ import torch
 from grader.judge.attempt import Attempt
 from grader.judge.case import get_case
 from grader.judge.compare import ItemVerdict, compare_item, is_comm_error, rank_list
-from grader.rank.exchange import (DEADLOCKED, Item, JobSpec, RankRecord, failed_with, group_rank, participants,
-                                   world_of)
+from grader.rank.exchange import DEADLOCKED, Item, JobSpec, RankRecord, failed_with, participants, world_of
 from grader.judge.timeouts import ITEM_TIMEOUT, PG_TIMEOUT, job_wall_clock
 
 
@@ -121,9 +120,8 @@ def rank_views(items: list[Item], inputs: dict) -> list[dict]:
     views: list[dict] = [{} for _ in range(world)]
     for it in items:
         case = get_case(it.case)
-        for j in participants(it.t, world):
+        for r, j in enumerate(participants(it.t, world)):       # r: its rank in the group
             full = {k: v.clone() for k, v in inputs[it.id].items()}
-            r = group_rank(j, it.t, world)
             views[j][it.id] = case.rank_inputs(it.config, full, r, it.t) if case.rank_inputs else full
     return views
 
@@ -152,13 +150,13 @@ def plan_items(names: list[str], fresh_seed: bool = True) -> list[Item]:
 _C10D_NOISE = re.compile(r"\[c10d\]|socket\.cpp|ProcessGroupGloo\.cpp")
 
 
-def _missing_reason(job_rank: int, item: Item, run, progress: dict, finished_by: list[int], world: int) -> str:
-    """Why a rank has no result for `item`: how its process ended, and where it was then."""
-    t = item.t
-    label = group_rank(job_rank, t, world)
+def _missing_reason(job_rank: int, item: Item, run, progress: dict, finished_by: list[int], group: list[int]) -> str:
+    """Why a rank has no result for `item`: how its process ended, and where it was then. `group`: the job ranks
+    that ran the item (participants), whose places name them."""
+    label = group.index(job_rank)
     code = run.exitcodes.get(job_rank) if run is not None else None
     here = progress.get(job_rank) or {}
-    others = f"; {rank_list(group_rank(r, t, world) for r in finished_by)} had finished it" if finished_by else ""
+    others = f"; {rank_list(group.index(r) for r in finished_by)} had finished it" if finished_by else ""
     inside = here.get("item") == item.id and here.get("where") in ("inside", "waiting")
     phase = here.get("phase") or "setup"
     if here.get("item") == item.id:
@@ -184,7 +182,7 @@ def _missing_reason(job_rank: int, item: Item, run, progress: dict, finished_by:
     if code is None:
         how = "was stopped"
     elif code in (-15, -9) and first is not None and first != job_rank and job_rank in order:
-        who = f"rank {group_rank(first, t, world)}" if first in participants(t, world) else "another rank"
+        who = f"rank {group.index(first)}" if first in group else "another rank"
         how = f"was stopped by the grader after {who}'s process ended"
     elif code == -9:
         how = "was killed by signal 9 (out of memory or over a resource limit?)"
@@ -378,8 +376,7 @@ def _judge(it: Item, ref: dict, results: dict, run) -> ItemVerdict:
     if skipped and all(x is not None and x.skipped for x in res.values()):
         return _skipped(it, skipped[0])
     finished = [r for r in part if res[r] is not None and not res[r].error]
-    reasons = {r: results["untrusted"].get(r) or
-               _missing_reason(r, it, run, results["progress"], finished, results["world"])
+    reasons = {r: results["untrusted"].get(r) or _missing_reason(r, it, run, results["progress"], finished, part)
                for r in part if res[r] is None}
     v = compare_item(case, it, ref, part, res, reasons)
     own_errors = any(x is not None and x.error and not is_comm_error(x.error) for x in res.values())

@@ -66,11 +66,6 @@ def participants(t: int, world: int) -> list[int]:
     return list(range(world - t, world))
 
 
-def group_rank(job_rank: int, t: int, world: int) -> int:
-    """`job_rank`'s rank in the group of an item of size t (participants)."""
-    return job_rank - (world - t)
-
-
 def failed_with(case: str, failed_cases: set[str], graded_together: list[list[str]]) -> str | None:
     """A check scored with `case` (the same grade cell, or `case` itself) that has failed: its points are lost,
     so `case` is not run again (a hang would cost a timeout again)."""
