@@ -172,12 +172,12 @@ class Ranks:
 
     def start_switchboard(self, record_dir: str):
         """COURSE_SWITCHBOARD=record_dir: this launcher carries the ranks' collectives (launch.switchboard), hands
-        them their inputs (COURSE_RANK_INPUTS, a path with {rank}) item by item (COURSE_ITEM_IDS, a JSON list)."""
+        them their inputs (COURSE_RANK_INPUTS, a path with {rank}) item by item (COURSE_ITEMS, a JSON list of each
+        item's id and the job ranks that run it)."""
         from launch.switchboard import Switchboard, load_inputs
         template = os.environ.pop("COURSE_RANK_INPUTS", "")
-        item_ids = json.loads(os.environ.pop("COURSE_ITEM_IDS", "[]"))     # the job's items, in order
-        self.board = Switchboard(self.sel, load_inputs(template, self.nproc) if template else {}, item_ids,
-                                 record_dir)
+        items = json.loads(os.environ.pop("COURSE_ITEMS", "[]"))     # the job's items, in order
+        self.board = Switchboard(self.sel, load_inputs(template, self.nproc) if template else {}, items, record_dir)
 
     def fork_all(self, target: str, is_module: bool, args: list[str]):
         port, run_id = free_port(), uuid.uuid4().hex[:8]

@@ -72,12 +72,12 @@ class Conn:
 
 
 class Switchboard:
-    def __init__(self, sel, inputs: dict[int, dict], item_ids: list[str], record_dir: str):
+    def __init__(self, sel, inputs: dict[int, dict], items: list[dict], record_dir: str):
         self.sel, self.inputs, self.record_dir = sel, inputs, record_dir
-        self.item_ids = item_ids
+        self.items = items                          # the job's items in order: {"id", "group": its job ranks}
         self.conns: dict[int, Conn] = {}
         self.index = -1                             # the item every rank is in (-1: before the first)
-        self.begun: dict[int, dict] = {}            # rank -> its begin request for index + 1
+        self.begun: set[int] = set()                # ranks that asked to begin item index + 1
         self.failed: set[int] = set()               # ranks that said they failed the current item
         self.record: dict[int, dict] = {}           # item index -> {"item", "entries": {rank: [..]}, "events": [..]}
         self._new_item_state()
@@ -169,7 +169,7 @@ class Switchboard:
         elif kind == "begin":
             if int(header["index"]) != self.index + 1:     # items come in the job's order, none skipped
                 raise ValueError(f"asked for item {header['index']} during item {self.index}")
-            self.begun[rank] = header
+            self.begun.add(rank)
             self.blocked.pop(rank, None)
         elif kind == "end":
             self._store_result(rank, int(header["index"]), tensors)
@@ -199,7 +199,7 @@ class Switchboard:
         self.blocked: dict[int, int] = {}           # rank -> the seq it waits on
         self.ended: set[int] = set()
         self.deadlocked: str = ""
-        self.groups: dict[int, list[int]] = {}      # rank -> its item group (job ranks), as it says at begin
+        self.group: list[int] | None = None         # the job ranks running this item (None: not said: all)
 
     def _item(self) -> dict:
         return self.record.setdefault(self.index, {"item": None, "entries": {}, "events": []})
@@ -225,12 +225,12 @@ class Switchboard:
         self._new_item_state()
         self.failed = set()
         item = self._item()
-        # which item this is comes from the job's list, never from a rank (it could ask for a later item's inputs)
-        item["item"] = self.item_ids[self.index] if self.index < len(self.item_ids) else None
+        # which item this is, and which ranks run it, come from the job's list, never from a rank (it could ask for
+        # a later item's inputs, or name a group of its choosing)
+        spec = self.items[self.index] if self.index < len(self.items) else {}
+        item["item"], self.group = spec.get("id"), spec.get("group")
         for r in live:
-            group = self.begun.pop(r).get("group")
-            if isinstance(group, list) and all(isinstance(g, int) for g in group):
-                self.groups[r] = group
+            self.begun.discard(r)
             mine = self.inputs.get(r, {}).get(item["item"], {})
             names = sorted(mine)
             self._send(r, {"k": "start", "index": self.index, "failed_last": failed, "names": names},
@@ -238,9 +238,9 @@ class Switchboard:
 
     def _judge_deadlock(self, live: list[int]):
         by_group: dict[tuple, list[int]] = {}
+        every = [c.rank for c in self.conns.values()]                # a rank outside the item's group: the job
         for r in self.blocked:
-            every = [c.rank for c in self.conns.values()]            # a rank that named no group: the job
-            by_group.setdefault(tuple(self.groups.get(r, every)), []).append(r)
+            by_group.setdefault(tuple(self.group if self.group and r in self.group else every), []).append(r)
         for group in by_group:
             states = [("gone",) if r not in live else
                       ("waits", self.open_posts[r][self.blocked[r]].label, self.open_posts[r][self.blocked[r]].op)
@@ -271,12 +271,11 @@ class Switchboard:
         if r not in ranks:
             self._fail(r, post.seq, f"rank {r} posted a collective on a group it is not in")
             return
-        mine = self.groups.get(r)
-        if mine is not None and not set(ranks) <= set(mine):
+        if self.group is not None and not set(ranks) <= set(self.group):
             # ranks outside the item's group are not running it: such a collective could only wait
             self._fail(r, post.seq, f"{post.label} is on a group of {len(ranks)} ranks, but this check runs on "
-                       f"{len(mine)}, and the others are not in it: a collective on the default group (no group=), or "
-                       "a group or mesh built from dist.get_world_size()? Use the group you are given.")
+                       f"{len(self.group)}, and the others are not in it: a collective on the default group (no "
+                       "group=), or a group or mesh built from dist.get_world_size()? Use the group you are given.")
             return
         group = (post.header["group"], tuple(ranks))
         if post.op in P2P:

@@ -23,14 +23,16 @@ PRELUDE = textwrap.dedent("""
     link = course_pg.link()
 
     def begin(i):
-        link.request({"k": "begin", "index": i, "group": list(range(n))})
+        link.request({"k": "begin", "index": i})
 """)
 
 
-def run_ranks(tmp_path, body: str, nproc: int = 2, timeout: float = 60.0):
+def run_ranks(tmp_path, body: str, nproc: int = 2, timeout: float = 60.0, items: list[dict] | None = None):
+    """`items`: the job's items as grading hands them over (id, the job ranks that run it); none by default."""
     script = tmp_path / "prog.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
-    env = {**os.environ, "PYTHONPATH": ROOT, "COURSE_SWITCHBOARD": str(tmp_path / "record"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": ROOT, "COURSE_SWITCHBOARD": str(tmp_path / "record"), "OMP_NUM_THREADS": "1",
+           "COURSE_ITEMS": json.dumps(items or [])}
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "launch.forkrun", "--nproc", str(nproc), str(script)], env=env,
                        cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
@@ -123,16 +125,17 @@ def test_ranks_that_disagree_on_a_collective_are_told_which_and_how(tmp_path):
 
 def test_a_collective_beyond_the_items_group_is_refused_at_once(tmp_path):
     """An item of size 2 on a 3-rank job runs on ranks 1 and 2 (grader.rank.exchange.participants); rank 0 sits it
-    out. An all-reduce on the default group there could only wait for rank 0: both ranks are told at once why."""
+    out. An all-reduce on the default group there could only wait for rank 0: both ranks are told at once why.
+    Which ranks run the item is the job's list, not what a rank says."""
     p, record, _ = run_ranks(tmp_path, """
-        link.request({"k": "begin", "index": 0, "group": [1, 2] if r else None})
+        link.request({"k": "begin", "index": 0, "group": [0, 1, 2]})     # a rank's word on its group is not heard
         if r:
             try:
                 dist.all_reduce(torch.ones(4))
             except RuntimeError as exc:
                 print(f"TOLD {exc}", flush=True)
-        link.request({"k": "begin", "index": 1, "group": None})
-    """, nproc=3)
+        begin(1)
+    """, nproc=3, items=[{"id": "w/c@t2", "group": [1, 2]}])
     assert p.stdout.count("TOLD all_reduce #1 (setup) is on a group of 3 ranks, but this check runs on 2, and the "
                           "others are not in it") == 2, p.stdout[-3000:]
     assert record["0"]["entries"] == {} and record["0"]["events"] == []
@@ -178,7 +181,7 @@ def test_a_rank_cannot_ask_for_a_later_items_inputs(tmp_path):
     loses its link; which item's inputs a rank gets is the switchboard's choice, never the rank's."""
     p, record, _ = run_ranks(tmp_path, """
         if r == 1:
-            link.tell({"k": "begin", "index": 3, "group": [0, 1]})
+            link.tell({"k": "begin", "index": 3})
             time.sleep(0.5)
             os._exit(0)
         begin(0)

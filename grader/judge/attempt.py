@@ -16,7 +16,7 @@ import shutil
 import tempfile
 
 from grader import ROOT
-from grader.rank.exchange import SWITCHBOARD_VERDICT, JobSpec, RankRecord, records_from_saved, world_of
+from grader.rank.exchange import SWITCHBOARD_VERDICT, JobSpec, RankRecord, participants, records_from_saved, world_of
 from grader.box.sandbox import Sandbox, give_to
 from grader.judge.timeouts import KILL_GRACE, PG_TIMEOUT, STOP_GRACE
 from launch.backend import fork_launcher_likely
@@ -82,8 +82,10 @@ class Attempt:
         self.world = world_of(spec.items)
         self.items = spec.items
         spec.save(os.path.join(self.here, "spec.json"))
-        # the switchboard gives each rank an item's inputs by the job's order of items, not by what a rank asks for
-        job_env = {"COURSE_ITEM_IDS": json.dumps([it.id for it in spec.items])} if self.switchboard else {}
+        # the switchboard gives each rank an item's inputs by the job's order of items, not by what a rank asks for,
+        # and knows which ranks run each item: a collective beyond them is refused
+        items = [{"id": it.id, "group": participants(it.t, self.world)} for it in spec.items]
+        job_env = {"COURSE_ITEMS": json.dumps(items)} if self.switchboard else {}
         try:
             if self.launch is None:
                 self.launch = self._start(self.world, [it.week for it in spec.items], timeout, spec.pg_timeout,

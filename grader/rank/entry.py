@@ -137,8 +137,7 @@ class RankJob:
     def begin(self, index: int, item: Item | None) -> bool:
         """On the switchboard: wait until every rank is here, take this item's inputs; True if any rank failed
         the last one."""
-        plan = self.groups[item.t] if item is not None else None
-        header, tensors = self.link.request({"k": "begin", "index": index, "group": plan[1] if plan else None})
+        header, tensors = self.link.request({"k": "begin", "index": index})
         if item is not None:
             self.inputs[item.id] = dict(zip(header.get("names", []), tensors))
         return bool(header.get("failed_last"))
