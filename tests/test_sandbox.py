@@ -132,8 +132,8 @@ def test_grading_from_a_symlinked_venv_and_a_checkout_under_tmp():
 
 LEAVE_BEHIND = textwrap.dedent("""
     import os, time
-    open("/tmp/job-a-marker", "w").write("A")           # the box's /tmp
-    open("job-a-marker", "w").write("A")                # the job's out/ folder
+    open("/tmp/left-by-job-a", "w").write("A")          # the box's /tmp
+    open("left-by-job-a", "w").write("A")               # the job's out/ folder
     os.environ["JOB_A_MARKER"] = "A"
     if os.fork() == 0:                                  # a process that tries to outlive its job
         os.setsid()
@@ -145,7 +145,7 @@ LEAVE_BEHIND = textwrap.dedent("""
 LOOK_BACK = textwrap.dedent("""
     import glob, os
     _seen = [p for p in glob.glob("/tmp/*") + glob.glob("*") + glob.glob("../../*/*") + glob.glob("../../*/*/*")
-             if "job-a" in p]
+             if "left-by-job-a" in p]      # not "job-a": a job folder /tmp/grader-job-a1b2... is the second job's own
     for _pid in (p for p in os.listdir("/proc") if p.isdigit()):
         try:
             if open(f"/proc/{_pid}/comm").read().strip() == "job-a-sleeper":
