@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from reference import backward
 from tpkit.models import Attention, DecoderLayer, ModelConfig
 
 
@@ -69,7 +70,7 @@ def dense_attention(cfg: dict, inp: dict) -> dict:
     attn = build("attention", cfg, inp)
     x = inp["x"].clone().requires_grad_(True)
     y = attn(x)
-    y.backward(inp["dy"])
+    backward(y, inp["dy"])
     ref = {"y": y.detach(), "dx": x.grad}
     ref.update({f"d.{n}": p.grad.clone() for n, p in attn.named_parameters()})
     parts = attention_partial_grads(attn, inp["x"], inp["dy"], cfg["world_sizes"])
@@ -86,7 +87,7 @@ def dense_block(cfg: dict, inp: dict) -> dict:
     att.retain_grad()
     h = x + att
     y = h + layer.mlp(layer.post_attention_layernorm(h))   # the same graph as DecoderLayer.forward
-    y.backward(inp["dy"])
+    backward(y, inp["dy"])
     ref = {"y": y.detach(), "dx": x.grad}
     ref.update({f"d.{n}": p.grad.clone() for n, p in layer.named_parameters()})
     parts = attention_partial_grads(layer.self_attn, a.detach(), att.grad, cfg["world_sizes"])

@@ -70,6 +70,7 @@ import torch
 
 from grader.judge.case import Case, Contract, poisoned, register, shard
 from grader.rank.week05 import COLUMN, NORMS, ROW, layer_config, lm_config
+from reference import backward
 from tpkit.models import DecoderLayer, ForCausalLM, init_weights
 
 MODULE = "sp_block"
@@ -194,7 +195,7 @@ def _block_inputs(cfg, gen):
 def _dense_run(layer, x, dy, tag=""):
     x = x.clone().requires_grad_(True)
     y = layer(x)
-    y.backward(dy)
+    backward(y, dy)
     out = {f"y{tag}": y.detach(), f"dx{tag}": x.grad, f"xp{tag}": x.detach()}
     for name, p in layer.named_parameters():
         out[f"d{name.split('.')[-2]}{tag}"] = p.grad.clone()
@@ -285,7 +286,7 @@ def _model_inputs(cfg, gen):
 def _model_reference(cfg, d):
     model = dense_lm(cfg, d)
     logits = model(d["ids"])                             # (B, T, V)
-    logits.backward(d["dy"])
+    backward(logits, d["dy"])
     return {"logits": logits.detach(), **{f"d{n}": p.grad.clone() for n, p in model.named_parameters()}}
 
 
