@@ -17,7 +17,8 @@ from tpkit.models import DecoderLayer, ForCausalLM, week07_config
 
 
 def _warm_imports():
-    """Rank processes only: pay DTensor's lazy imports (torch._dynamo, ...) when this module is imported.
+    """Rank processes only: pay DTensor's lazy imports (torch._dynamo, ...) when this module is imported, and
+    let DTensor take its output metadata from meta tensors (grader/rank/dtensor_meta.py).
 
     The rank entry must import this module before it arms the item timeout: a lazy import interrupted by
     that alarm would leave torch._dynamo half-initialised for every later item.
@@ -27,6 +28,9 @@ def _warm_imports():
     import torch.distributed.tensor
     import torch.distributed.tensor.debug
     import torch.distributed.tensor.parallel  # noqa: F401
+
+    from grader.rank import dtensor_meta
+    dtensor_meta.install()
 
 
 if os.environ.get("COURSE_JOB_ID"):   # not in the trusted process, which imports CHECKED_PARAMS from here
