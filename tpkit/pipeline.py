@@ -158,11 +158,13 @@ def plot_schedule(tl: Timeline, ax=None, title: str = ""):
     if getattr(tl, "split", False):
         colors["W"] = "#55A868"
     for r, evs in enumerate(tl.events):
+        boxes: dict[tuple, list] = {}      # (kind, odd chunk) -> its (start, width) on this row: one artist each
         for start, end, kind, mb, chunk in evs:
-            ax.barh(r, end - start, left=start, color=colors[kind], edgecolor="white",
-                    alpha=1.0 if chunk % 2 == 0 else 0.6)
+            boxes.setdefault((kind, chunk % 2), []).append((start, end - start))
             if end - start >= 0.45:
                 ax.text((start + end) / 2, r, str(mb), ha="center", va="center", fontsize=7, color="white")
+        for (kind, odd), spans in boxes.items():
+            ax.broken_barh(spans, (r - 0.4, 0.8), facecolors=colors[kind], edgecolor="white", alpha=0.6 if odd else 1.0)
     ax.set_yticks(range(tl.p), [f"stage {r}" for r in range(tl.p)])
     ax.invert_yaxis()
     ax.set_xlim(0, tl.makespan)
