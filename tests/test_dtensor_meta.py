@@ -1,5 +1,5 @@
 """Week 7's ranks learn DTensor's output metadata from meta tensors (grader/rank/dtensor_meta.py): the same
-metadata as DTensor's fake tensors, for exactly the ops the week's reference plan runs.
+metadata as DTensor's fake tensors, for exactly the ops the lab solution's plans run.
 
 Each case of the week runs here in one process per (t, rank), on a fake process group (collectives move no
 data: only the metadata is compared, never the numbers), with every schema DTensor propagates computed both ways.
@@ -77,7 +77,7 @@ def _in_child(fn, *args):
     return result
 
 
-def test_meta_tensors_give_dtensors_metadata_for_every_op_of_the_reference_plan(plan, monkeypatch):
+def test_meta_tensors_give_dtensors_metadata_for_every_op_of_the_solution_plan(plan, monkeypatch):
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
     fake = dtensor_meta._fake_tensor_meta
     ops, cases, differ = set(), set(), []
@@ -107,11 +107,11 @@ def test_meta_tensors_give_dtensors_metadata_for_every_op_of_the_reference_plan(
     meta_ops = ops - {op for op, _, _ in differ}
     assert not [d for d in differ if d[0] in dtensor_meta.META_OPS], differ
     assert dtensor_meta.META_OPS == meta_ops, (
-        f"META_OPS should be exactly the ops the reference plan runs whose metadata agrees: "
+        f"META_OPS should be exactly the ops the solution plan runs whose metadata agrees: "
         f"add {sorted(meta_ops - dtensor_meta.META_OPS)}, remove {sorted(dtensor_meta.META_OPS - meta_ops)}")
 
 
-def test_a_rank_with_it_installed_never_builds_fake_tensors_for_the_reference_plan(plan, monkeypatch):
+def test_a_rank_with_it_installed_never_builds_fake_tensors_for_the_solution_plan(plan, monkeypatch):
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
     monkeypatch.setattr(ShardingPropagator, "_propagate_tensor_meta_non_cached",
                         ShardingPropagator._propagate_tensor_meta_non_cached)     # undone after the test
