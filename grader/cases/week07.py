@@ -27,7 +27,8 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  1. both RMSNorms run on the local tokens with a replicated weight (SequenceParallel) -> block, model:
     `grad:*layernorm.weight`, Contract.params (fixture norm_not_sp)
  2. attention and the MLP all-gather their Shard(1) input to Replicate first (PrepareModuleInput) ->
-    Contract.counts forward {all_gather: 2 per layer}, `y`
+    Contract.counts forward {all_gather: 2 per layer}, `y`; and hand the projections a DTensor, so backward
+    reduce-scatters -> Contract.counts backward (fixture prepare_input_local)
  3. self_attn is called with keywords: input_kwarg_layouts / desired_input_kwarg_layouts -> every case: the
     error is named (fixture forgot_kwargs)
  4. q/k/v_proj, gate/up_proj column-parallel -> Contract.params (local Shard(0) shapes), `grad:*`
@@ -213,6 +214,10 @@ def _expected(cfg, ref, r, t):
     return out
 
 
+LOCAL_HINT = ("An all-reduce in backward usually means a PrepareModuleInput with use_local_output=True: the "
+              "projections then get a plain tensor, and autograd all-reduces each one's input grad.")
+
+
 def _contract(cfg, t):
     mc = _cfg(cfg)
     params = {n: _expected_shape(n, p.shape, t) for n, p in _dense(cfg).named_parameters()}
@@ -221,13 +226,14 @@ def _contract(cfg, t):
         fwd = bwd = {"all_gather": 2, "reduce_scatter": 2}
         why = {"forward": "per layer: all-gather the sequence shards into attention and into the MLP (2), "
                           "reduce-scatter out of o_proj and down_proj (2).",
-               "backward": "the conjugates: each forward all-gather becomes a reduce-scatter and vice versa."}
+               "backward": "the conjugates: each forward all-gather becomes a reduce-scatter and vice versa. " + LOCAL_HINT}
     else:
         fwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 3}
         bwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1}
         why = {"forward": f"2 all-gathers + 2 reduce-scatters per layer ({L} layers), one reduce-scatter out of "
                           f"the embedding, one all-gather into lm_head, and 3 all-reduces of loss parallel.",
-               "backward": "the conjugates of the forward gathers/scatters; loss parallel's backward is local."}
+               "backward": "the conjugates of the forward gathers/scatters; loss parallel's backward is local. "
+                           + LOCAL_HINT}
     return Contract(counts={"forward": fwd, "backward": bwd}, params=params, why=why, unchecked=("harness",))
 
 
