@@ -226,7 +226,8 @@ def _contract(cfg, t):
         fwd = bwd = {"all_gather": 2, "reduce_scatter": 2}
         why = {"forward": "per layer: all-gather the sequence shards into attention and into the MLP (2), "
                           "reduce-scatter out of o_proj and down_proj (2).",
-               "backward": "the conjugates: each forward all-gather becomes a reduce-scatter and vice versa. " + LOCAL_HINT}
+               "backward": "the conjugates: each forward all-gather becomes a reduce-scatter and vice versa. "
+                           + LOCAL_HINT}
     else:
         fwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 3}
         bwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1}
