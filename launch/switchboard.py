@@ -199,7 +199,7 @@ class Switchboard:
         self.blocked: dict[int, int] = {}           # rank -> the seq it waits on
         self.ended: set[int] = set()
         self.deadlocked: str = ""
-        self.group: list[int] | None = None         # the job ranks running this item (None: not said: all)
+        self.group: list[int] | None = None         # the job ranks running this item (None: every rank)
 
     def _item(self) -> dict:
         return self.record.setdefault(self.index, {"item": None, "entries": {}, "events": []})

@@ -19,39 +19,32 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator, _are_we_
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
+aten = torch.ops.aten
 META_OPS = frozenset({
-    "aten._log_softmax.default",
-    "aten._unsafe_view.default",
-    "aten.add.Tensor",
-    "aten.add_.Tensor",
-    "aten.detach.default",
-    "aten.div.Scalar",
-    "aten.embedding.default",
-    "aten.embedding_dense_backward.default",
-    "aten.expand.default",
-    "aten.mean.dim",
-    "aten.mm.default",
-    "aten.mul.Scalar",
-    "aten.mul.Tensor",
-    "aten.nll_loss_backward.default",
-    "aten.nll_loss_forward.default",
-    "aten.ones_like.default",
-    "aten.pow.Tensor_Scalar",
-    "aten.rsqrt.default",
-    "aten.sum.dim_IntList",
-    "aten.t.default",
-    "aten.to.dtype",
-    "aten.view.default",
+    aten._log_softmax.default,
+    aten._unsafe_view.default,
+    aten.add.Tensor,
+    aten.add_.Tensor,
+    aten.detach.default,
+    aten.div.Scalar,
+    aten.embedding.default,
+    aten.embedding_dense_backward.default,
+    aten.expand.default,
+    aten.mean.dim,
+    aten.mm.default,
+    aten.mul.Scalar,
+    aten.mul.Tensor,
+    aten.nll_loss_backward.default,
+    aten.nll_loss_forward.default,
+    aten.ones_like.default,
+    aten.pow.Tensor_Scalar,
+    aten.rsqrt.default,
+    aten.sum.dim_IntList,
+    aten.t.default,
+    aten.to.dtype,
+    aten.view.default,
 })
 
-
-def _overload(name: str):
-    """'aten.mm.default' -> torch.ops.aten.mm.default"""
-    _, packet, overload = name.split(".")
-    return getattr(getattr(torch.ops.aten, packet), overload)
-
-
-_META_OVERLOADS = frozenset(_overload(name) for name in META_OPS)
 _fake_tensor_meta = ShardingPropagator._propagate_tensor_meta_non_cached
 
 
@@ -78,7 +71,7 @@ def meta_tensor_meta(op_schema):
 
 
 def _propagate_tensor_meta(self, op_schema):
-    if op_schema.op in _META_OVERLOADS and not _are_we_tracing():
+    if op_schema.op in META_OPS and not _are_we_tracing():
         return meta_tensor_meta(op_schema)
     return _fake_tensor_meta(self, op_schema)
 
