@@ -66,27 +66,41 @@ def grade_cells(nb) -> list[tuple[int, dict, list[str], float]]:
     return out
 
 
-def run_trusted(nb, log=None):
-    """Run all grade-cell checks of `nb` outside the kernel; returns (cells, report or exception)."""
+def check_names_in(nb) -> list[str]:
+    """Every check the grade cells of `nb` call, once each, in notebook order."""
+    names: list[str] = []
+    for _, _, ns, _ in grade_cells(nb):
+        names += [n for n in ns if n not in names]
+    return names
+
+
+def give_up(first):
+    """A held first attempt that no job took over: its launcher stops, its folder goes."""
+    first.cancel()
+    shutil.rmtree(first.jobdir, ignore_errors=True)
+
+
+def run_trusted(nb, log=None, first=None):
+    """Run all grade-cell checks of `nb` outside the kernel; returns (cells, report or exception).
+    first: the job's first attempt, already held (`hold_first_attempt(check_names_in(nb))`); held here otherwise."""
     from grader.judge.attempt import hold_first_attempt
     cells = grade_cells(nb)
-    names: list[str] = []
-    for _, _, ns, _ in cells:
-        names += [n for n in ns if n not in names]
+    names = check_names_in(nb)
     if not names:
+        if first is not None:
+            give_up(first)
         return cells, None
-    first = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            first = hold_first_attempt(names)     # its launcher imports torch while this process does
+            if first is None:
+                first = hold_first_attempt(names)     # its launcher imports torch while this process does
             from grader.judge.job import run_checks
             report = run_checks(names, module_sources(nb), graded_together=[list(ns) for _, _, ns, _ in cells],
                                 first=first)
         except Exception as exc:  # the grader itself failed: never a silent pass
             if first is not None and first.launch is not None and first.launch.proc.poll() is None:   # run_checks never took it over
-                first.cancel()
-                shutil.rmtree(first.jobdir, ignore_errors=True)
+                give_up(first)
             if log:
                 log.error("trusted checks failed to run: %s", exc)
             return cells, exc

@@ -18,6 +18,7 @@ import tempfile
 from grader import ROOT
 from grader.rank.exchange import SWITCHBOARD_VERDICT, JobSpec, RankRecord, participants, records_from_saved, world_of
 from grader.box.sandbox import Sandbox, give_to
+from grader.judge import dtensor_tables
 from grader.judge.timeouts import KILL_GRACE, PG_TIMEOUT, STOP_GRACE
 from launch.backend import fork_launcher_likely
 from tpkit.progress import UnsafeFile, read_progress, read_regular
@@ -62,6 +63,7 @@ class Attempt:
 
     def _start(self, nproc: int | None, weeks, timeout: float, pg_timeout: float, job_env: dict | None = None):
         from launch.runner import start
+        tables = dtensor_tables.job_env(weeks, self.jobdir)     # read by the launcher before it forks
         return start("grader.rank.entry", nproc, [self.here], backend=self.backend, launcher=self.launcher,
                      timeout=timeout, kill_grace=KILL_GRACE, pg_timeout=pg_timeout,
                      preload=preloads(weeks), wrap=tuple(self.box.prefix),
@@ -69,7 +71,7 @@ class Attempt:
                      env={"PYTHONPATH": _pythonpath(ROOT), "COURSE_STOP_GRACE": str(STOP_GRACE), **self.box.env,
                           **({"COURSE_RANK_INPUTS": os.path.join(self.jobdir, "inputs", "rank{rank}.pt"),
                               "COURSE_SWITCHBOARD": self.record_dir} if self.switchboard else {}),
-                          **({"COURSE_ISOLATE": "1"} if self.isolated else {}), **(job_env or {})},
+                          **({"COURSE_ISOLATE": "1"} if self.isolated else {}), **tables, **(job_env or {})},
                      cwd=self.outdir, interactive=self.interactive)
 
     def hold(self, weeks, pg_timeout: float) -> "Attempt":

@@ -6,7 +6,7 @@ those stand-ins under a new `FakeTensorMode` every time: about 1 ms a schema, an
 schemas, since every case, t and mesh is new to it. On meta tensors the same op takes about 0.15 ms (both measured
 on the 340 schemas of rank 3 of 4 on a 2-core CPU machine).
 
-Only the ops in `META_OPS` take the meta path: `tests/test_dtensor_meta.py` runs the lab solution's plans on every
+Only the ops in `META_OPS` take the meta path: `tests/test_dtensor_prop.py` runs the lab solution's plans on every
 case, t and rank, asserts that each schema gives the same metadata both ways, and that `META_OPS` holds exactly the
 ops met. Any other op, and every op while something traces (`torch.compile`, `make_fx`), keeps DTensor's own path:
 a plan that runs other ops is propagated exactly as torch does it, only slower.

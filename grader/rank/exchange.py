@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 SWITCHBOARD_VERDICT = "switchboard: "   # a record's error judged by the launcher's switchboard, not by the rank
 DEADLOCKED = 3     # exit status of a rank that left a deadlocked check (its verdict is in its record)
+DTENSOR_TABLE = "COURSE_DTENSOR_TABLE"   # the launcher's DTensor sharding tables (grader/rank/dtensor_table.py)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from tpkit.models import DecoderLayer, ForCausalLM, week07_config
 
 
 def _warm_imports():
-    """Rank processes only: pay DTensor's lazy imports (torch._dynamo, ...) when this module is imported, and
-    let DTensor take its output metadata from meta tensors (grader/rank/dtensor_meta.py).
+    """Rank processes only: pay DTensor's lazy imports (torch._dynamo, ...) when this module is imported, let DTensor
+    take its output metadata from meta tensors (grader/rank/dtensor_meta.py) and its sharding decisions from the
+    job's tables (grader/rank/dtensor_table.py), where the grader gave it some.
 
     The rank entry must import this module before it arms the item timeout: a lazy import interrupted by
     that alarm would leave torch._dynamo half-initialised for every later item.
@@ -29,8 +30,18 @@ def _warm_imports():
     import torch.distributed.tensor.debug
     import torch.distributed.tensor.parallel  # noqa: F401
 
-    from grader.rank import dtensor_meta
+    from grader.rank import dtensor_meta, dtensor_table
+    from grader.rank.exchange import DTENSOR_TABLE
     dtensor_meta.install()
+    table = {}
+    for path in filter(None, os.environ.pop(DTENSOR_TABLE, "").split(os.pathsep)):
+        try:
+            with open(path, "rb") as f:
+                table.update(dtensor_table.load(f))
+        except Exception:   # noqa: BLE001  a table is a shortcut: one this process may not read (torchrun's ranks)
+            pass            # or cannot load leaves every schema to live propagation
+    if table:
+        dtensor_table.install(table)
 
 
 if os.environ.get("COURSE_JOB_ID"):   # not in the trusted process, which imports CHECKED_PARAMS from here

@@ -134,6 +134,12 @@ def main(n: int = 20, jobs: int = 2, repeats: int = 3) -> int:
     from grader import ROOT
     print(f"grader benchmark (CPU/gloo, this machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})",
           flush=True)
+    from grader.judge import dtensor_tables
+    for week in dtensor_tables.missing(dtensor_tables.WEEKS):     # once per install: not part of any timing below
+        t0 = time.monotonic()
+        dtensor_tables.ensure(week)
+        print(f"recorded {week}'s DTensor table (once per torch version and lab solution): "
+              f"{time.monotonic() - t0:.1f} s", flush=True)
     torch_s = time_import_torch(repeats)
     print(f"bare `import torch`: {_runs(torch_s, '{:.2f}')}", flush=True)
     print(f"one check, 4 ranks, cold (torchrun): {_runs(time_check('torchrun', repeats))}", flush=True)

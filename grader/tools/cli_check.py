@@ -1,6 +1,7 @@
 """`python -m grader check NOTEBOOK`: run the notebook, then grade its modules the trusted way."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -8,9 +9,7 @@ import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
-import nbformat
-
-from grader.autograde.notebook import run_trusted
+from grader.autograde.notebook import check_names_in, give_up, run_trusted
 
 
 def _start_kernel(work: str):
@@ -27,7 +26,6 @@ def _start_kernel(work: str):
 def _execute(km, path: str, work: str, backend: str | None, out: str | None) -> str | None:
     """Run the notebook with papermill on the started kernel `km`, then stop it. Returns an error summary or None."""
     import papermill as pm
-    from jupyter_core.utils import run_sync
     params = {"BACKEND": backend} if backend else {}
     try:
         with warnings.catch_warnings():
@@ -38,7 +36,12 @@ def _execute(km, path: str, work: str, backend: str | None, out: str | None) -> 
     except Exception as exc:  # papermill stops at the first error; the checks below still run
         return _summary(exc)
     finally:
-        run_sync(km.shutdown_kernel)(now=True)     # a kernel papermill was handed is not papermill's to stop
+        _stop(km)       # a kernel papermill was handed is not papermill's to stop
+
+
+def _stop(km):
+    from jupyter_core.utils import run_sync
+    run_sync(km.shutdown_kernel)(now=True)
 
 
 def _summary(exc: Exception) -> str:
@@ -47,16 +50,26 @@ def _summary(exc: Exception) -> str:
 
 
 def check_notebook(path: str, backend: str | None = None, execute: bool = True, out: str | None = None) -> int:
+    from grader.judge import dtensor_tables
+    from grader.judge.attempt import hold_first_attempt
     if not os.path.exists(path):
         print(f"error: {path} does not exist (give the path of a lab notebook, e.g. labs/week02/tp_linear.ipynb)")
         return 2
     try:
-        nb = nbformat.read(path, as_version=4)
-    except Exception as exc:
+        with open(path, "rb") as f:
+            names = check_names_in(json.load(f))
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
         print(f"error: {path} is not a readable notebook ({exc})")
         return 2
     if backend:
         os.environ["COURSE_BACKEND"] = backend
+    weeks = dtensor_tables.missing(n.split("/")[0] for n in names)
+    if weeks:
+        print(f"recording DTensor's sharding decisions for {', '.join(weeks)} (once per torch version and lab "
+              "solution, about 10 s) ...", flush=True)
+    # the job's launcher first, then the notebook's kernel, then this process's own imports (nbformat, papermill):
+    # on some labs the launcher's imports are the longest path of a check, on others the kernel's
+    first = hold_first_attempt(names) if names else None
     # the trusted checks read the modules from the notebook JSON, not from the run: both go at once. The notebook
     # runs in a scratch folder: its %%writefile cells must not write beside the original
     with tempfile.TemporaryDirectory(prefix="grader-check-") as work, ThreadPoolExecutor(max_workers=1) as pool:
@@ -67,7 +80,17 @@ def check_notebook(path: str, backend: str | None = None, execute: bool = True, 
                 km = _start_kernel(work)
             except Exception as exc:   # noqa: BLE001  the checks still run
                 err = _summary(exc)
-        checks = pool.submit(run_trusted, nb)
+        try:
+            import nbformat
+            nb = nbformat.read(path, as_version=4)
+        except Exception as exc:       # noqa: BLE001  JSON, but not a notebook nbformat can read
+            if first is not None:
+                give_up(first)
+            if km is not None:
+                _stop(km)
+            print(f"error: {path} is not a readable notebook ({exc})")
+            return 2
+        checks = pool.submit(run_trusted, nb, None, first)
         if execute:
             print(f"running {path} and its checks ...", flush=True)
             err = err or _execute(km, copy, work, backend, out)
