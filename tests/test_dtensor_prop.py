@@ -194,3 +194,20 @@ def test_a_job_of_week_7_gets_its_table_in_its_folder_and_other_weeks_none(tmp_p
     with open(path, "rb") as f:
         assert len(dtensor_table.load(f)) > 500
     assert dtensor_tables.missing(["week02", "week07"]) == []
+
+
+def test_a_recording_that_fails_is_said_once_and_never_retried(tmp_path, monkeypatch):
+    import subprocess
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(args)
+        return subprocess.CompletedProcess(args, 1, "", "Traceback ...\nKeyError: 'tp_plan'\n")
+    monkeypatch.setattr(dtensor_tables, "CACHE", str(tmp_path))
+    monkeypatch.setattr(dtensor_tables, "table_path", lambda week: str(tmp_path / f"{week}-k.pkl"))
+    monkeypatch.setattr(dtensor_tables.subprocess, "run", failing)
+    assert dtensor_tables.missing(["week07"]) == ["week07"]
+    assert dtensor_tables.ensure("week07") is None and dtensor_tables.ensure("week07") is None
+    assert len(calls) == 1
+    assert "KeyError: 'tp_plan'" in (tmp_path / "week07-k.pkl.failed").read_text()
+    assert dtensor_tables.missing(["week07"]) == [] and dtensor_tables.job_env(["week07"], str(tmp_path)) == {}

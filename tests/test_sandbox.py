@@ -203,3 +203,14 @@ def test_first_launch_held_while_the_grader_imports():
     assert rep.passed and "--hold" not in rep.runs[0].command
     assert held.launch.proc.returncode is not None and not job_processes(held.launch.job_id)
     assert not os.path.exists(held.here)
+
+
+def test_a_boxed_kernel_gets_only_the_font_list_of_the_users_matplotlib_cache(tmp_path, monkeypatch):
+    from grader.box.kernel_box import _seed_font_list
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "fontlist-v390.json").write_text('{"ttflist": []}')
+    (cache / "tex.cache").write_text("not for the box")
+    monkeypatch.setenv("MPLCONFIGDIR", str(cache))
+    _seed_font_list(str(tmp_path / "home" / ".matplotlib"))
+    assert os.listdir(tmp_path / "home" / ".matplotlib") == ["fontlist-v390.json"]

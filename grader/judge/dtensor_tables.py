@@ -1,7 +1,7 @@
 """The DTensor sharding tables of the weeks whose ranks run DTensor (grader/rank/dtensor_table.py).
 
 A table is recorded once per torch version and lab solution, by a process of its own that runs the solution's plans
-as a job's last rank on a fake process group (`python -m grader.judge.dtensor_tables WEEK OUT`, about 5 s), and is
+as a job's last rank on a fake process group (`python -m grader.judge.dtensor_tables WEEK OUT`, about 6 s), and is
 kept in build/dtensor-tables/. Each job of such a week gets a copy in its folder, which its launcher reads inside its
 box before it forks the ranks. A table is only ever a shortcut: without one (no solutions/, a read-only checkout, a
 failed recording) every schema is propagated live, as torch does it.
@@ -23,7 +23,8 @@ from grader.rank.exchange import DTENSOR_TABLE, participants
 
 WEEKS = ("week07",)        # the weeks whose ranks run DTensor
 CACHE = os.path.join(ROOT, "build", "dtensor-tables")
-RECORD_TIMEOUT = 300       # seconds: the recording takes about 5 on a 2-core machine
+RECORD_TIMEOUT = 300       # seconds: the recording takes about 6 on a 2-core machine
+FAILED = ".failed"         # beside a table that could not be recorded: why
 # what decides which schemas a table holds, and how it is written
 _SOURCES = ("grader/cases/{week}.py", "grader/rank/{week}.py", "grader/rank/dtensor_table.py",
             "grader/rank/exchange.py", "tpkit/models.py", "tpkit/dtensor.py")
@@ -37,9 +38,13 @@ def _solution(week: str) -> str | None:
 def table_path(week: str) -> str | None:
     """Where the table of `week` for this torch and this solution lives (whether or not it exists yet)."""
     solution = _solution(week)
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
     if solution is None:
         return None
-    h = hashlib.sha256(f"{importlib.metadata.version('torch')} {sys.version_info[:2]}".encode())
+    h = hashlib.sha256(f"{torch_version} {sys.version_info[:2]}".encode())
     for path in [solution] + [os.path.join(ROOT, s.format(week=week)) for s in _SOURCES]:
         with open(path, "rb") as f:
             h.update(f.read())
@@ -47,12 +52,14 @@ def table_path(week: str) -> str | None:
 
 
 def missing(weeks) -> list[str]:
-    """The weeks among `weeks` whose table is still to be recorded."""
-    return [w for w in dict.fromkeys(weeks) if w in WEEKS and (p := table_path(w)) and not os.path.exists(p)]
+    """The weeks among `weeks` whose table is still to be recorded (not one whose recording failed)."""
+    return [w for w in dict.fromkeys(weeks)
+            if w in WEEKS and (p := table_path(w)) and not os.path.exists(p) and not os.path.exists(p + FAILED)]
 
 
 def ensure(week: str) -> str | None:
-    """The table of `week`, recorded now if it is missing (one recording at a time); None where none can be made."""
+    """The table of `week`, recorded now if it is missing (one recording at a time); None where none can be made.
+    A recording that failed is not tried again for this torch and solution: its error is in `<table>.failed`."""
     path = table_path(week)
     if path is None or os.path.exists(path):
         return path
@@ -60,9 +67,9 @@ def ensure(week: str) -> str | None:
         os.makedirs(CACHE, exist_ok=True)
         with open(os.path.join(CACHE, ".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)     # a second job waits for the first recording, then uses it
-            if not os.path.exists(path):
+            if not os.path.exists(path) and not os.path.exists(path + FAILED):
                 _record(week, path)
-    except (OSError, subprocess.SubprocessError):
+    except OSError:
         return None
     return path if os.path.exists(path) else None
 
@@ -72,15 +79,19 @@ def _record(week: str, path: str):
     os.close(fd)
     try:
         done = subprocess.run([sys.executable, "-m", "grader.judge.dtensor_tables", week, tmp], cwd=ROOT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                               timeout=RECORD_TIMEOUT)
-        if done.returncode == 0:
-            for old in glob.glob(os.path.join(CACHE, f"{week}-*.pkl")):    # another torch's or solution's
-                os.unlink(old)
-            os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        why = "" if done.returncode == 0 else done.stderr[-4000:] or f"exit status {done.returncode}"
+    except subprocess.SubprocessError as exc:
+        why = str(exc)
+    for old in glob.glob(os.path.join(CACHE, f"{week}-*")):     # another torch's or solution's, or a failure
+        os.unlink(old)
+    if why:
+        with open(path + FAILED, "w") as f:
+            f.write(why)
+        os.unlink(tmp)
+    else:
+        os.replace(tmp, path)
 
 
 def job_env(weeks, jobdir: str) -> dict:
@@ -89,11 +100,14 @@ def job_env(weeks, jobdir: str) -> dict:
     paths = []
     for week in dict.fromkeys(weeks):
         src = ensure(week) if week in WEEKS else None
-        if src:
-            dst = os.path.join(jobdir, f"dtensor-{week}.pkl")
-            shutil.copyfile(src, dst)
-            os.chmod(dst, 0o600)
-            paths.append(dst)
+        dst = os.path.join(jobdir, f"dtensor-{week}.pkl")
+        try:
+            if src:
+                shutil.copyfile(src, dst)
+                os.chmod(dst, 0o600)
+                paths.append(dst)
+        except OSError:     # replaced by a newer recording meanwhile: this job propagates live
+            pass
     return {DTENSOR_TABLE: os.pathsep.join(paths)} if paths else {}
 
 

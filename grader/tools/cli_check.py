@@ -66,10 +66,13 @@ def check_notebook(path: str, backend: str | None = None, execute: bool = True, 
     weeks = dtensor_tables.missing(n.split("/")[0] for n in names)
     if weeks:
         print(f"recording DTensor's sharding decisions for {', '.join(weeks)} (once per torch version and lab "
-              "solution, about 10 s) ...", flush=True)
+              "solution: a few seconds) ...", flush=True)
     # the job's launcher first, then the notebook's kernel, then this process's own imports (nbformat, papermill):
     # on some labs the launcher's imports are the longest path of a check, on others the kernel's
-    first = hold_first_attempt(names) if names else None
+    try:
+        first = hold_first_attempt(names) if names else None
+    except Exception:   # noqa: BLE001  no box, say: the checks meet it again and report it
+        first = None
     # the trusted checks read the modules from the notebook JSON, not from the run: both go at once. The notebook
     # runs in a scratch folder: its %%writefile cells must not write beside the original
     with tempfile.TemporaryDirectory(prefix="grader-check-") as work, ThreadPoolExecutor(max_workers=1) as pool:
