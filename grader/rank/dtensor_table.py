@@ -3,10 +3,11 @@
 A DTensor op with a new (op, global shapes, placements, arguments) runs sharding propagation: every strategy the
 op has, each with the cost of redistributing the inputs to it, then the cheapest
 (`ShardingPropagator.propagate_op_sharding_non_cached`). The answer depends on that schema and the torch version
-only, yet every rank of every job computed it again: about 1 ms a schema, and a Week 7 rank meets 330 to 570.
-The grader records the answers once per torch version, running the lab solution's plans as a job's last rank
-(grader/judge/dtensor_tables.py), and the launcher loads them before it forks the ranks. A schema in the table is
-a lookup; any other, and every schema while something traces (`torch.compile`), is propagated as torch does it.
+only, yet every rank of every job computed it again: 0.6 to 0.9 ms a schema, and a Week 7 rank meets 330 to 570.
+The grader records the answers once per torch version and lab solution, running the solution's plans as a job's
+last rank (grader/judge/dtensor_tables.py), and the launcher loads them before it forks the ranks. A schema in the
+table is a lookup; any other, and every schema while something traces (`torch.compile`), is propagated as torch
+does it.
 
 The answers hold the mesh of the process that recorded them; a hit gets the asking schema's own mesh, whose groups
 are this rank's (a mesh compares equal across processes: DeviceMesh.__eq__ ignores group names). What a rank sees
