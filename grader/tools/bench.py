@@ -6,8 +6,9 @@
   runs: a resident process forks each job);
 - a correct and a deadlocking submission through the trusted checks (the deadlock's own seconds): Week 2, and
   Weeks 1, 6 and 7, whose ranks block where gloo cannot abort them (send/recv, DTensor's functional waits);
-- `python -m grader check` on every lab's solution (notebook run + trusted checks), as a student runs it, and
-  how busy the machine's cores were meanwhile (near 100%: CPU-bound, only less work makes it faster);
+- `python -m grader check` on every lab's solution (notebook run + trusted checks), as a student runs it, as a
+  multiple of a bare `import torch` timed beside each of its runs, and how busy the machine's cores were meanwhile
+  (near 100%: CPU-bound, only less work makes it faster);
 - class-scale autograde: N submissions of the `make demo` mix (solutions, stubs, broken, a deadlock),
   `jobs` at a time, through nbgrader with the trusted checks.
 """
@@ -156,14 +157,19 @@ def main(n: int = 20, jobs: int = 2, repeats: int = 3) -> int:
         ok, dead = time_fixture(week, "solution", repeats), time_fixture(week, name, repeats)
         print(f"trusted grading of a {week} submission: correct {_runs(ok)}; deadlocking ({name}) {_runs(dead)}; "
               f"the deadlock costs {statistics.median(dead) - statistics.median(ok):+.1f} s", flush=True)
-    base = statistics.median(torch_s)
+    # each lab's ratio is to a bare `import torch` timed just before each of its runs: this machine's speed drifts
+    # by 10-30% over minutes, and one figure taken at the start would move every ratio with it
     for path in sorted(glob.glob(os.path.join(ROOT, "solutions", "week*", "*.ipynb"))):
-        runs = [time_cli(path) for _ in range(repeats)]
+        base, runs = [], []
+        for _ in range(repeats):
+            base += time_import_torch(1)
+            runs.append(time_cli(path))
         secs = [s for s, _, _ in runs]
         busy = statistics.median(c / (s * (os.cpu_count() or 1)) for s, c, _ in runs)
         print(f"python -m grader check {os.path.relpath(path, ROOT)}: {_runs(secs)} = "
-              f"{statistics.median(secs) / base:.1f}x `import torch`; the machine's cores busy {busy:.0%} of "
-              f"that time ({runs[-1][2]})", flush=True)
+              f"{statistics.median(secs) / statistics.median(base):.1f}x `import torch` "
+              f"(median {statistics.median(base):.2f} s beside it); the machine's cores busy {busy:.0%} of that time "
+              f"({runs[-1][2]})", flush=True)
     if n:
         print(f"class autograde of {n} Week 2 submissions ...", flush=True)
         print(class_autograde(n, jobs), flush=True)
