@@ -214,3 +214,11 @@ def test_a_boxed_kernel_gets_only_the_font_list_of_the_users_matplotlib_cache(tm
     monkeypatch.setenv("MPLCONFIGDIR", str(cache))
     _seed_font_list(str(tmp_path / "home" / ".matplotlib"))
     assert os.listdir(tmp_path / "home" / ".matplotlib") == ["fontlist-v390.json"]
+
+
+def test_a_first_attempt_that_cannot_be_held_leaves_no_job_folder(tmp_path, monkeypatch):
+    from grader.judge.attempt import hold_first_attempt
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ValueError, match="GRADER_SANDBOX='bogus' is unknown"):
+        hold_first_attempt(["week02/column_parallel"], sandbox="bogus")
+    assert os.listdir(tmp_path) == []

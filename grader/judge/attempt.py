@@ -149,8 +149,15 @@ def hold_first_attempt(names: list[str], backend: str | None = None, sandbox: st
         return None            # a name no week has: run_checks will say so
     mode = sandbox or os.environ.get("GRADER_SANDBOX", "auto")
     jobdir = tempfile.mkdtemp(prefix="grader-job-")
-    attempt = Attempt(jobdir, 0, backend="gloo", launcher="fork", mode=mode)
-    return attempt.hold(weeks, PG_TIMEOUT if pg_timeout is None else pg_timeout)
+    attempt = None
+    try:
+        attempt = Attempt(jobdir, 0, backend="gloo", launcher="fork", mode=mode)
+        return attempt.hold(weeks, PG_TIMEOUT if pg_timeout is None else pg_timeout)
+    except BaseException:   # no box, no launcher: nothing of the job may stay behind
+        if attempt is not None:
+            attempt.cancel()
+        shutil.rmtree(jobdir, ignore_errors=True)
+        raise
 
 
 RESULT_LIMIT = 64 << 20      # bytes: a rank's result file (the box's RLIMIT_FSIZE is the same)
