@@ -51,10 +51,14 @@ def table_path(week: str) -> str | None:
     return os.path.join(CACHE, f"{week}-{h.hexdigest()[:16]}.pkl")
 
 
+def _settled(path: str) -> bool:
+    """Recorded, or failed for good (a failed recording is not tried again for the same key)."""
+    return os.path.exists(path) or os.path.exists(path + FAILED)
+
+
 def missing(weeks) -> list[str]:
     """The weeks among `weeks` whose table is still to be recorded (not one whose recording failed)."""
-    return [w for w in dict.fromkeys(weeks)
-            if w in WEEKS and (p := table_path(w)) and not os.path.exists(p) and not os.path.exists(p + FAILED)]
+    return [w for w in dict.fromkeys(weeks) if w in WEEKS and (p := table_path(w)) and not _settled(p)]
 
 
 def ensure(week: str) -> str | None:
@@ -67,7 +71,7 @@ def ensure(week: str) -> str | None:
         os.makedirs(CACHE, exist_ok=True)
         with open(os.path.join(CACHE, ".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)     # a second job waits for the first recording, then uses it
-            if not os.path.exists(path) and not os.path.exists(path + FAILED):
+            if not _settled(path):
                 _record(week, path)
     except OSError:
         return None
@@ -100,14 +104,15 @@ def job_env(weeks, jobdir: str) -> dict:
     paths = []
     for week in dict.fromkeys(weeks):
         src = ensure(week) if week in WEEKS else None
+        if src is None:
+            continue
         dst = os.path.join(jobdir, f"dtensor-{week}.pkl")
         try:
-            if src:
-                shutil.copyfile(src, dst)
-                os.chmod(dst, 0o600)
-                paths.append(dst)
+            shutil.copyfile(src, dst)
+            os.chmod(dst, 0o600)
         except OSError:     # replaced by a newer recording meanwhile: this job propagates live
-            pass
+            continue
+        paths.append(dst)
     return {DTENSOR_TABLE: os.pathsep.join(paths)} if paths else {}
 
 

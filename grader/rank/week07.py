@@ -31,17 +31,8 @@ def _warm_imports():
     import torch.distributed.tensor.parallel  # noqa: F401
 
     from grader.rank import dtensor_meta, dtensor_table
-    from grader.rank.exchange import DTENSOR_TABLE
     dtensor_meta.install()
-    table = {}
-    for path in filter(None, os.environ.pop(DTENSOR_TABLE, "").split(os.pathsep)):
-        try:
-            with open(path, "rb") as f:
-                table.update(dtensor_table.load(f))
-        except Exception:   # noqa: BLE001  a table is a shortcut: one this process may not read (torchrun's ranks)
-            pass            # or cannot load leaves every schema to live propagation
-    if table:
-        dtensor_table.install(table)
+    dtensor_table.install_from_env()
 
 
 if os.environ.get("COURSE_JOB_ID"):   # not in the trusted process, which imports CHECKED_PARAMS from here
