@@ -1,5 +1,5 @@
-"""python -m grader {check NOTEBOOK | demo | release [WEEK..] | execute-lectures [NB..] | autograde WEEK |
-merge-gradebooks DB SLICE.db.. | bench | gpu-check}"""
+"""python -m grader {check NOTEBOOK | check-server --stop | demo | release [WEEK..] | execute-lectures [NB..] |
+autograde WEEK | merge-gradebooks DB SLICE.db.. | bench | gpu-check}"""
 from __future__ import annotations
 
 import argparse
@@ -15,12 +15,23 @@ sys.modules.setdefault("rfc3987_syntax", None)
 
 
 def cmd_check(a) -> int:
-    from grader.tools.cli_check import check_notebook
-    code = check_notebook(a.notebook, backend=a.backend, execute=not a.no_execute, out=a.output)
+    from grader.tools.check_server import check
+    code = check(a.notebook, backend=a.backend, execute=not a.no_execute, out=a.output)
     # everything is written and cleaned up: skip the interpreter's teardown of torch (~0.5 s of a check)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def cmd_check_server(a) -> int:
+    from grader.tools import check_server
+    if a.stop:
+        print(f"stopped {check_server.stop_all()} check server(s)")
+        return 0
+    if not (a.socket and a.notebook):
+        print("error: give --stop, or --socket and --notebook (`python -m grader check` starts a server itself)")
+        return 2
+    return check_server.serve(a.socket, a.notebook, idle=a.idle)
 
 
 def cmd_demo(a) -> int:
@@ -86,6 +97,13 @@ def main(argv=None) -> int:
     c.add_argument("--no-execute", action="store_true", help="skip running the notebook; grade its modules only")
     c.add_argument("--output", default=None, help="where to write the executed notebook (default: a temp file)")
     c.set_defaults(fn=cmd_check)
+    s = sub.add_parser("check-server", help="the warm trusted process later checks use (check starts it); "
+                       "--stop stops yours")
+    s.add_argument("--stop", action="store_true", help="stop this user's check servers")
+    s.add_argument("--socket", help=argparse.SUPPRESS)
+    s.add_argument("--notebook", help=argparse.SUPPRESS)
+    s.add_argument("--idle", type=float, default=None, help="exit after this many seconds with no check (600)")
+    s.set_defaults(fn=cmd_check_server)
     d = sub.add_parser("demo", help="a scratch class: release, submissions, nbgrader autograde, gradebook")
     d.add_argument("--keep", default=None, help="keep the scratch course in this folder")
     d.set_defaults(fn=cmd_demo)

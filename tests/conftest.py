@@ -7,6 +7,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+# every `python -m grader check` of the suite runs in its own process: a check server (grader/tools/check_server.py)
+# would outlive the suite; tests/test_check_server.py starts its own
+os.environ["GRADER_CHECK_SERVER"] = "off"
 # nbgrader shells out to alembic: the venv's bin must be on PATH
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 

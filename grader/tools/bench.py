@@ -6,9 +6,10 @@
   runs: a resident process forks each job);
 - a correct and a deadlocking submission through the trusted checks (the deadlock's own seconds): Week 2, and
   Weeks 1, 6 and 7, whose ranks block where gloo cannot abort them (send/recv, DTensor's functional waits);
-- `python -m grader check` on every lab's solution (notebook run + trusted checks), as a student runs it, as a
-  multiple of a bare `import torch` timed beside each of its runs, and how busy the machine's cores were meanwhile
-  (near 100%: CPU-bound, only less work makes it faster);
+- `python -m grader check` on every lab's solution (notebook run + trusted checks), as a student runs it: cold (no
+  check server) and warm (a lab's later checks, served by grader/tools/check_server.py), as a multiple of a bare
+  `import torch` timed beside the runs, and how busy the machine's cores were meanwhile (near 100%: CPU-bound, only
+  less work makes it faster);
 - class-scale autograde: N submissions of the `make demo` mix (solutions, stubs, broken, a deadlock),
   `jobs` at a time, through nbgrader with the trusted checks.
 """
@@ -22,10 +23,12 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 
 from grader.judge.job import run_checks
 
 CHECK = ["week02/column_parallel"]
+PAUSE_S = 6.0       # between warm checks: the server's next held launcher has imported torch by then
 
 
 def _sources(kind: str = "solution") -> dict[str, str]:
@@ -98,12 +101,33 @@ def busy_cpu_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def time_cli(path: str) -> tuple[float, float, str]:
+def time_cli(path: str, env: dict) -> tuple[float, float, str]:
     """Seconds of `python -m grader check path`, the machine's busy CPU-seconds meanwhile, and its score line."""
     c0, t0 = busy_cpu_seconds(), time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "grader", "check", path], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "grader", "check", path], capture_output=True, text=True, env=env)
     score = (p.stdout.strip().splitlines() or ["?"])[-1]
     return time.monotonic() - t0, busy_cpu_seconds() - c0, score
+
+
+def time_checks(path: str, repeats: int) -> tuple[list, list, list]:
+    """`python -m grader check path`, `repeats` times each: cold (no check server: three interpreters import torch),
+    then warm (served by a check server of the bench's own, each check PAUSE_S after the one before, as a student's
+    edits are). Returns the bare `import torch` timed before each cold run, the cold and the warm runs."""
+    cold_env = {**os.environ, "GRADER_CHECK_SERVER": "off"}
+    warm_env = {**os.environ, "GRADER_CHECK_SERVER": "on", "COURSE_BENCH_SERVER": uuid.uuid4().hex}
+    base, cold, warm = [], [], []
+    for _ in range(repeats):
+        base += time_import_torch(1)
+        cold.append(time_cli(path, cold_env))
+    time_cli(path, warm_env)        # cold: it starts the server
+    try:
+        for _ in range(repeats):
+            time.sleep(PAUSE_S)
+            warm.append(time_cli(path, warm_env))
+    finally:
+        subprocess.run([sys.executable, "-c", "from grader.tools import check_server as s; s.stop(s.address())"],
+                       env=warm_env)
+    return base, cold, warm
 
 
 def class_autograde(n: int, jobs: int) -> str:
@@ -160,16 +184,15 @@ def main(n: int = 20, jobs: int = 2, repeats: int = 3) -> int:
     # each lab's ratio is to a bare `import torch` timed just before each of its runs: this machine's speed drifts
     # by 10-30% over minutes, and one figure taken at the start would move every ratio with it
     for path in sorted(glob.glob(os.path.join(ROOT, "solutions", "week*", "*.ipynb"))):
-        base, runs = [], []
-        for _ in range(repeats):
-            base += time_import_torch(1)
-            runs.append(time_cli(path))
-        secs = [s for s, _, _ in runs]
-        busy = statistics.median(c / (s * (os.cpu_count() or 1)) for s, c, _ in runs)
-        print(f"python -m grader check {os.path.relpath(path, ROOT)}: {_runs(secs)} = "
-              f"{statistics.median(secs) / statistics.median(base):.1f}x `import torch` "
-              f"(median {statistics.median(base):.2f} s beside it); the machine's cores busy {busy:.0%} of that time "
-              f"({runs[-1][2]})", flush=True)
+        base, cold, warm = time_checks(path, repeats)
+        torch_s = statistics.median(base)
+        line = f"python -m grader check {os.path.relpath(path, ROOT)}:"
+        for kind, runs in (("cold", cold), (f"warm (a check server up, {PAUSE_S:.0f} s after the last check)", warm)):
+            secs = [s for s, _, _ in runs]
+            busy = statistics.median(c / (s * (os.cpu_count() or 1)) for s, c, _ in runs)
+            line += (f"\n    {kind}: {_runs(secs)} = {statistics.median(secs) / torch_s:.1f}x `import torch`; the "
+                     f"machine's cores busy {busy:.0%} of that time ({runs[-1][2]})")
+        print(f"{line}\n    (`import torch` median {torch_s:.2f} s beside the cold runs)", flush=True)
     if n:
         print(f"class autograde of {n} Week 2 submissions ...", flush=True)
         print(class_autograde(n, jobs), flush=True)

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from grader.autograde.notebook import check_names_in, give_up, run_trusted
 
 
-def _start_kernel(work: str):
+def start_kernel(work: str):
     """The notebook's boxed kernel (in-kernel checks deferred), started in `work` before anything else: on most
     labs its start and the notebook's own `import torch` are the longest path of a check."""
     from jupyter_core.utils import run_sync
@@ -36,10 +36,10 @@ def _execute(km, path: str, work: str, backend: str | None, out: str | None) -> 
     except Exception as exc:  # papermill stops at the first error; the checks below still run
         return _summary(exc)
     finally:
-        _stop(km)       # a kernel papermill was handed is not papermill's to stop
+        stop_kernel(km)       # a kernel papermill was handed is not papermill's to stop
 
 
-def _stop(km):
+def stop_kernel(km):
     from jupyter_core.utils import run_sync
     run_sync(km.shutdown_kernel)(now=True)
 
@@ -49,17 +49,29 @@ def _summary(exc: Exception) -> str:
     return first[-1] if first else type(exc).__name__
 
 
-def check_notebook(path: str, backend: str | None = None, execute: bool = True, out: str | None = None) -> int:
+def check_notebook(path: str, backend: str | None = None, execute: bool = True, out: str | None = None,
+                   first=None, kernel=None) -> int:
+    """Started earlier for this check (the check server's), each used here or given back:
+    first: the job's first attempt, held for exactly this notebook's checks;
+    kernel: a boxed kernel that has run nothing (its folder is empty: papermill sends it the notebook's cells)."""
     from grader.judge import dtensor_tables
     from grader.judge.attempt import hold_first_attempt
+    names = None
     if not os.path.exists(path):
         print(f"error: {path} does not exist (give the path of a lab notebook, e.g. labs/week02/tp_linear.ipynb)")
-        return 2
-    try:
-        with open(path, "rb") as f:
-            names = check_names_in(json.load(f))
-    except (OSError, ValueError, AttributeError, TypeError) as exc:
-        print(f"error: {path} is not a readable notebook ({exc})")
+    else:
+        try:
+            with open(path, "rb") as f:
+                names = check_names_in(json.load(f))
+        except (OSError, ValueError, AttributeError, TypeError) as exc:
+            print(f"error: {path} is not a readable notebook ({exc})")
+    if names is None or not execute:
+        if kernel is not None:
+            stop_kernel(kernel)
+            kernel = None
+    if names is None:
+        if first is not None:
+            give_up(first)
         return 2
     if backend:
         os.environ["COURSE_BACKEND"] = backend
@@ -70,7 +82,7 @@ def check_notebook(path: str, backend: str | None = None, execute: bool = True, 
     # the job's launcher first, then the notebook's kernel, then this process's own imports (nbformat, papermill):
     # on some labs the launcher's imports are the longest path of a check, on others the kernel's
     try:
-        first = hold_first_attempt(names) if names else None
+        first = first or (hold_first_attempt(names) if names else None)
     except Exception:   # noqa: BLE001  no box, say: the checks meet it again and report it
         first = None
     # the trusted checks read the modules from the notebook JSON, not from the run: both go at once. The notebook
@@ -80,7 +92,7 @@ def check_notebook(path: str, backend: str | None = None, execute: bool = True, 
         if execute:
             copy = shutil.copy(path, os.path.join(work, "input-" + os.path.basename(path)))
             try:
-                km = _start_kernel(work)
+                km = kernel or start_kernel(work)
             except Exception as exc:   # noqa: BLE001  the checks still run
                 err = _summary(exc)
         try:
@@ -90,7 +102,7 @@ def check_notebook(path: str, backend: str | None = None, execute: bool = True, 
             if first is not None:
                 give_up(first)
             if km is not None:
-                _stop(km)
+                stop_kernel(km)
             print(f"error: {path} is not a readable notebook ({exc})")
             return 2
         checks = pool.submit(run_trusted, nb, None, first)
