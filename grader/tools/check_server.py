@@ -71,14 +71,19 @@ def folder() -> str | None:
     return path
 
 
+def _code() -> str:
+    """Changes with any module the server imports from the course: its packages and the lectures' references."""
+    from launch.zygote import code_fingerprint
+    return code_fingerprint(("launch", "grader", "tpkit", "reference"))
+
+
 def address() -> str | None:
     """The socket of the server for this interpreter, course code and environment (None: no safe folder)."""
-    from launch.zygote import code_fingerprint
     where = folder()
     if where is None:
         return None
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES)
-    key = hashlib.sha256(json.dumps([sys.executable, code_fingerprint(), env]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([sys.executable, _code(), env]).encode()).hexdigest()[:16]
     return os.path.join(where, f"{key}.sock")
 
 
@@ -265,7 +270,6 @@ def _serve_check(conn: socket.socket, request: dict, held: _Held | None) -> str 
 
 def serve(sock: str, notebook: str, idle: float | None = None) -> int:
     """The server at `sock`; it first holds a job for `notebook`'s checks. Exits after `idle` s with no check."""
-    from launch.zygote import code_fingerprint
     idle = IDLE_EXIT_S if idle is None else idle
     stem = sock[:-len(".sock")]
     lock = open(stem + ".lock", "w")
@@ -287,11 +291,11 @@ def serve(sock: str, notebook: str, idle: float | None = None) -> int:
         import papermill  # noqa: F401
         import torch  # noqa: F401
         from grader.judge import job  # noqa: F401
-        fingerprint = code_fingerprint()
+        fingerprint = _code()
         held = _hold(notebook)
         last = time.monotonic()
         srv.settimeout(POLL_S)
-        while time.monotonic() - last < idle and code_fingerprint() == fingerprint:
+        while time.monotonic() - last < idle and _code() == fingerprint:
             try:
                 conn, _ = srv.accept()
             except socket.timeout:
@@ -302,7 +306,7 @@ def serve(sock: str, notebook: str, idle: float | None = None) -> int:
                     request = json.loads(conn.makefile("r", encoding="utf-8").readline())
                 except (OSError, ValueError):
                     continue
-                if not isinstance(request, dict) or request.get("stop") or code_fingerprint() != fingerprint:
+                if not isinstance(request, dict) or request.get("stop") or _code() != fingerprint:
                     conn.sendall(json.dumps({"stopped": True}).encode() + b"\n")
                     break
                 notebook = _serve_check(conn, request, held) or notebook
