@@ -109,25 +109,26 @@ def time_cli(path: str, env: dict) -> tuple[float, float, str]:
     return time.monotonic() - t0, busy_cpu_seconds() - c0, score
 
 
-def time_checks(path: str, repeats: int) -> tuple[list, list, list]:
+def time_checks(path: str, repeats: int) -> dict[str, tuple[list, list]]:
     """`python -m grader check path`, `repeats` times each: cold (no check server: three interpreters import torch),
     then warm (served by a check server of the bench's own, each check PAUSE_S after the one before, as a student's
-    edits are). Returns the bare `import torch` timed before each cold run, the cold and the warm runs."""
+    edits are). {"cold" or "warm": (a bare `import torch` timed just before each run, the runs)}."""
     cold_env = {**os.environ, "GRADER_CHECK_SERVER": "off"}
     warm_env = {**os.environ, "GRADER_CHECK_SERVER": "on", "COURSE_BENCH_SERVER": uuid.uuid4().hex}
-    base, cold, warm = [], [], []
+    out = {"cold": ([], []), "warm": ([], [])}
     for _ in range(repeats):
-        base += time_import_torch(1)
-        cold.append(time_cli(path, cold_env))
+        out["cold"][0].extend(time_import_torch(1))
+        out["cold"][1].append(time_cli(path, cold_env))
     time_cli(path, warm_env)        # cold: it starts the server
     try:
         for _ in range(repeats):
             time.sleep(PAUSE_S)
-            warm.append(time_cli(path, warm_env))
+            out["warm"][0].extend(time_import_torch(1))
+            out["warm"][1].append(time_cli(path, warm_env))
     finally:
         subprocess.run([sys.executable, "-c", "from grader.tools import check_server as s; s.stop(s.address())"],
                        env=warm_env)
-    return base, cold, warm
+    return out
 
 
 def class_autograde(n: int, jobs: int) -> str:
@@ -184,15 +185,16 @@ def main(n: int = 20, jobs: int = 2, repeats: int = 3) -> int:
     # each lab's ratio is to a bare `import torch` timed just before each of its runs: this machine's speed drifts
     # by 10-30% over minutes, and one figure taken at the start would move every ratio with it
     for path in sorted(glob.glob(os.path.join(ROOT, "solutions", "week*", "*.ipynb"))):
-        base, cold, warm = time_checks(path, repeats)
-        torch_s = statistics.median(base)
         line = f"python -m grader check {os.path.relpath(path, ROOT)}:"
-        for kind, runs in (("cold", cold), (f"warm (a check server up, {PAUSE_S:.0f} s after the last check)", warm)):
+        label = {"cold": "cold", "warm": f"warm (a check server up, {PAUSE_S:.0f} s after the last check)"}
+        for kind, (base, runs) in time_checks(path, repeats).items():
             secs = [s for s, _, _ in runs]
             busy = statistics.median(c / (s * (os.cpu_count() or 1)) for s, c, _ in runs)
-            line += (f"\n    {kind}: {_runs(secs)} = {statistics.median(secs) / torch_s:.1f}x `import torch`; the "
-                     f"machine's cores busy {busy:.0%} of that time ({runs[-1][2]})")
-        print(f"{line}\n    (`import torch` median {torch_s:.2f} s beside the cold runs)", flush=True)
+            line += (f"\n    {label[kind]}: "
+                     f"{_runs(secs)} = {statistics.median(secs) / statistics.median(base):.1f}x `import torch` "
+                     f"(median {statistics.median(base):.2f} s beside it); the machine's cores busy {busy:.0%} of that "
+                     f"time ({runs[-1][2]})")
+        print(line, flush=True)
     if n:
         print(f"class autograde of {n} Week 2 submissions ...", flush=True)
         print(class_autograde(n, jobs), flush=True)
