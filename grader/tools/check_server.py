@@ -35,6 +35,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -112,11 +113,12 @@ def check(path: str, backend: str | None = None, execute: bool = True, out: str 
 def ask(sock: str, request: dict) -> int | None:
     """Send `request` to the server at `sock`, print what it prints; its exit code, or None where it cannot
     answer (none is up, its code is stale, it stopped midway)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(ANSWER_TIMEOUT_S)
     try:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.settimeout(ANSWER_TIMEOUT_S)
         conn.connect(sock)
     except OSError:
+        conn.close()
         return None
     with conn:
         try:
@@ -169,15 +171,16 @@ class _Wire(io.TextIOBase):
     """sys.stdout or sys.stderr of a served check: each write goes to the client as one message. A client that left
     (Ctrl-C) gets nothing more; the check still runs to its end, within its own timeouts."""
 
-    def __init__(self, conn: socket.socket, to: int):
-        self.conn, self.to, self.open = conn, to, True
+    def __init__(self, conn: socket.socket, to: int, lock: threading.Lock):
+        self.conn, self.to, self.lock, self.open = conn, to, lock, True
 
     def write(self, text: str) -> int:
         if text and self.open:
-            try:
-                self.conn.sendall(json.dumps({"to": self.to, "text": text}).encode() + b"\n")
-            except OSError:
-                self.open = False
+            with self.lock:         # the checks' thread prints too: one message at a time on the socket
+                try:
+                    self.conn.sendall(json.dumps({"to": self.to, "text": text}).encode() + b"\n")
+                except OSError:
+                    self.open = False
         return len(text)
 
 
@@ -249,7 +252,8 @@ def _serve_check(conn: socket.socket, request: dict, held: _Held | None) -> str 
         if notebook is None:
             raise OSError("not a check request (it names no notebook and folder)")
         os.chdir(cwd)
-        with contextlib.redirect_stdout(_Wire(conn, 1)), contextlib.redirect_stderr(_Wire(conn, 2)):
+        lock = threading.Lock()
+        with contextlib.redirect_stdout(_Wire(conn, 1, lock)), contextlib.redirect_stderr(_Wire(conn, 2, lock)):
             try:
                 code = check_notebook(path, backend=request.get("backend"), execute=execute,
                                       out=request.get("out"), first=first, kernel=kernel)
