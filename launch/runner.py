@@ -92,14 +92,14 @@ def job_processes(job_id: str) -> list[int]:
                 if not mine:
                     with open(f"/proc/{pid}/environ", "rb") as f:
                         mine = needle in f.read().split(b"\0")
-                if mine and _alive(int(pid)):
+                if mine and is_alive(int(pid)):
                     alive.append(int(pid))
             except OSError:
                 continue
     return alive
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie is dead, only unreaped
@@ -118,7 +118,7 @@ def kill_until_gone(find: Callable[[], list[int]], timeout: float = 15.0) -> int
     killed: set[int] = set()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pids = [p for p in find() if _alive(p)]
+        pids = [p for p in find() if is_alive(p)]
         if not pids:
             break
         for pid in pids:

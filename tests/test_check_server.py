@@ -10,6 +10,8 @@ import uuid
 import pytest
 
 from grader.tools import check_server
+from launch.runner import is_alive
+from tests.procs import descendants, processes_naming
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOLUTION = "solutions/week02/tp_linear.ipynb"
@@ -31,40 +33,10 @@ def _verdicts(out: str) -> list[str]:
     return [line for line in out.splitlines() if re.match(r"^(\w+: [\d.]+/[\d.]+|score: )", line)]
 
 
-def _address(env: dict) -> str:
-    return subprocess.run([sys.executable, "-c", "from grader.tools.check_server import address; print(address())"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip()
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def _pids_with(text: str) -> list[int]:
-    return [int(p) for p in filter(str.isdigit, os.listdir("/proc")) if any(text in a for a in _cmdline(int(p)))]
-
-
-def _descendants(server: int) -> dict[int, list[str]]:
-    """{pid: command line} of every process `server` started, and theirs."""
-    parent = {}
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            pass
-    found = {}
-    for pid in parent:
-        up = pid
-        while up in parent and up != server and up > 1:
-            up = parent[up]
-        if up == server and pid != server:
-            found[pid] = _cmdline(pid)
-    return found
+def _held(server: int) -> tuple[list[str], list[int]]:
+    """What `server` holds for the next check: its launchers' job folders and its kernels' processes."""
+    mine = descendants(server)
+    return _held_jobs_of(mine), sorted(p for p, args in mine.items() if any("ipykernel_launcher" in a for a in args))
 
 
 def _held_jobs_of(procs: dict) -> list[str]:
@@ -73,14 +45,8 @@ def _held_jobs_of(procs: dict) -> list[str]:
                    if re.search(r"/grader-job-\w+/attempt0$", a)})
 
 
-def _held(server: int) -> tuple[list[str], list[int]]:
-    """What `server` holds for the next check: its launchers' job folders and its kernels' processes."""
-    mine = _descendants(server)
-    return _held_jobs_of(mine), sorted(p for p, args in mine.items() if any("ipykernel_launcher" in a for a in args))
-
-
 def _alive(pids) -> list[int]:
-    return [p for p in pids if os.path.exists(f"/proc/{p}")]
+    return [p for p in pids if is_alive(p)]
 
 
 def _until(cond, timeout: float):
@@ -94,12 +60,12 @@ def _until(cond, timeout: float):
 @pytest.mark.xdist_group("check_server")
 def test_a_second_check_is_served_warm_with_the_same_verdicts_and_nothing_stays():
     env = _env()
-    sock = _address(env)
+    sock = check_server.address(env)
     cold = _check(SOLUTION, env)
     assert cold.returncode == 0 and "starts cold" in cold.stdout, cold.stdout + cold.stderr
     try:
-        assert _until(lambda: os.path.exists(sock) and _pids_with(sock), 60), "no server came up"
-        [server] = [p for p in _pids_with(sock) if "check-server" in _cmdline(p)]
+        assert _until(lambda: os.path.exists(sock) and processes_naming(sock), 60), "no server came up"
+        [server] = processes_naming(f"--socket\0{sock}")
         assert _until(lambda: all(_held(server)), 60), "the server started nothing for the next check"
         [job], kernels = _held(server)
         warm = _check(SOLUTION, env, execute=True)
@@ -113,7 +79,7 @@ def test_a_second_check_is_served_warm_with_the_same_verdicts_and_nothing_stays(
         assert _verdicts(served.stdout) == _verdicts(local.stdout)
         assert "NotImplementedError" in served.stdout
         assert _until(lambda: all(_held(server)), 60)
-        left = _descendants(server)
+        left = descendants(server)
     finally:
         stop = subprocess.run([sys.executable, "-m", "grader", "check-server", "--stop"], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
@@ -126,12 +92,12 @@ def test_a_second_check_is_served_warm_with_the_same_verdicts_and_nothing_stays(
 @pytest.mark.xdist_group("check_server")
 def test_an_idle_server_exits_and_gives_back_what_it_held():
     env = _env()
-    sock = _address(env)
+    sock = check_server.address(env)
     server = subprocess.Popen([sys.executable, "-m", "grader", "check-server", "--socket", sock, "--notebook",
                                os.path.join(ROOT, SOLUTION), "--idle", "3"], cwd=ROOT, env=env)
     try:
         assert _until(lambda: all(_held(server.pid)), 60), "the server started nothing for the next check"
-        left = _descendants(server.pid)
+        left = descendants(server.pid)
         assert server.wait(timeout=60) == 0
     finally:
         server.kill()

@@ -7,6 +7,7 @@ import pytest
 
 from launch import run
 from launch.backend import default_launcher, pick_backend
+from tests.procs import processes_naming
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time
@@ -35,19 +36,6 @@ def script(tmp_path):
     p = tmp_path / "job.py"
     p.write_text(SCRIPT)
     return str(p)
-
-
-def job_processes_alive(job_script) -> list[int]:
-    alive = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if job_script.encode() in open(f"/proc/{pid}/cmdline", "rb").read() and \
-                        open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(int(pid))
-            except OSError:
-                pass
-    return alive
 
 
 def test_backend_and_launcher_choice():
@@ -141,7 +129,7 @@ def test_crash_names_the_root_cause_rank(script, launcher):
     cause = res.root_cause()
     assert cause.startswith("rank 1 failed first") and "ValueError: rank one is broken" in cause
     assert "forkrun" not in cause  # the launcher's own frames are not the student's problem
-    assert not job_processes_alive(script)
+    assert not processes_naming(script)
 
 
 @pytest.mark.parametrize("launcher", ["warm", "fork"])
@@ -149,7 +137,7 @@ def test_hang_is_killed_at_the_wall_clock(script, launcher):
     res = run(script, 2, ["hang"], module=False, timeout=8, kill_grace=1, launcher=launcher)
     assert res.timed_out and res.returncode == 124
     assert "wall clock" in res.root_cause()
-    assert not job_processes_alive(script)
+    assert not processes_naming(script)
 
 
 @pytest.mark.parametrize("launcher", ["warm", "fork"])
@@ -157,7 +145,7 @@ def test_escaped_daemon_is_killed(script, launcher):
     res = run(script, 2, ["daemon"], module=False, timeout=30, launcher=launcher)
     assert res.ok
     assert res.leftovers_killed >= 1
-    assert not job_processes_alive(script)
+    assert not processes_naming(script)
 
 
 def test_magic_streams_and_raises(tmp_path):
@@ -208,4 +196,4 @@ def test_held_launcher_given_up_leaves_nothing(script):
         held.wait()
     held.cancel()
     assert held.proc.returncode is not None
-    assert not job_processes(held.job_id) and not job_processes_alive(script)
+    assert not job_processes(held.job_id) and not processes_naming(script)

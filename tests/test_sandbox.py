@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from grader.box.sandbox import ROOT, RANK_VIEW, Limits, Sandbox, give_to, python_paths
+from grader.tools import check_server
 from launch import run
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -61,7 +62,8 @@ def test_ranks_see_only_the_allowlist(planted, monkeypatch):
     try:
         hidden = [planted, os.path.join(ROOT, "solutions"), os.path.join(ROOT, "notebooks"),
                   os.path.join(ROOT, "reference"), os.path.join(ROOT, "grader", "cases"),
-                  os.path.join(ROOT, "grader", "job.py"), os.path.join(ROOT, ".git"), "/home"]
+                  os.path.join(ROOT, "grader", "job.py"), os.path.join(ROOT, ".git"), "/home",
+                  check_server.folder()]      # the check servers' sockets
         seen = hidden + [os.path.dirname(planted)]
         script = os.path.join(jobdir, "probe.py")
         with open(script, "w") as f:

@@ -26,6 +26,7 @@ import time
 import uuid
 
 from grader.judge.job import run_checks
+from grader.tools import check_server
 
 CHECK = ["week02/column_parallel"]
 PAUSE_S = 6.0       # between warm checks: the server's next held launcher has imported torch by then
@@ -126,8 +127,7 @@ def time_checks(path: str, repeats: int) -> dict[str, tuple[list, list]]:
             out["warm"][0].extend(time_import_torch(1))
             out["warm"][1].append(time_cli(path, warm_env))
     finally:
-        subprocess.run([sys.executable, "-c", "from grader.tools import check_server as s; s.stop(s.address())"],
-                       env=warm_env)
+        check_server.stop(check_server.address(warm_env))
     return out
 
 

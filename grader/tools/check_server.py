@@ -78,12 +78,14 @@ def _code() -> str:
     return code_fingerprint(("launch", "grader", "tpkit", "reference"))
 
 
-def address() -> str | None:
-    """The socket of the server for this interpreter, course code and environment (None: no safe folder)."""
+def address(environ=None) -> str | None:
+    """The socket of the server for this interpreter, course code and environment (`environ`, default this
+    process's); None: no safe folder."""
     where = folder()
     if where is None:
         return None
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES)
+    env = sorted((k, v) for k, v in (os.environ if environ is None else environ).items()
+                 if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES)
     key = hashlib.sha256(json.dumps([sys.executable, _code(), env]).encode()).hexdigest()[:16]
     return os.path.join(where, f"{key}.sock")
 
