@@ -322,10 +322,10 @@ def serve(sock: str, notebook: str, idle: float | None = None) -> int:
         with contextlib.suppress(OSError):
             os.unlink(stem + ".log")    # kept only when the server failed
         return 0
-    finally:
-        if held is not None:
-            held.give_back()
+    finally:        # the address first: a give-back that fails still leaves no server behind a socket
         srv.close()
         for path in (sock, stem + ".lock"):
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        if held is not None:
+            held.give_back()
