@@ -1,5 +1,5 @@
 """python -m grader {check NOTEBOOK | check-server --stop | demo | release [WEEK..] | execute-lectures [NB..] |
-autograde WEEK | merge-gradebooks DB SLICE.db.. | bench | gpu-check}"""
+autograde WEEK | merge-gradebooks DB SLICE.db.. | bench | repeat-scores | gpu-check}"""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ sys.modules.setdefault("rfc3987_syntax", None)
 
 def cmd_check(a) -> int:
     from grader.tools.check_server import check
-    code = check(a.notebook, backend=a.backend, execute=not a.no_execute, out=a.output)
+    code = check(a.notebook, backend=a.backend, execute=not a.no_execute, out=a.output, timeout=a.timeout)
     # everything is written and cleaned up: skip the interpreter's teardown of torch (~0.5 s of a check)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -83,12 +83,25 @@ def cmd_bench(a) -> int:
     return main(n=a.n, jobs=a.jobs, repeats=a.repeats)
 
 
+def cmd_repeat_scores(a) -> int:
+    from grader.tools.repeat_scores import main
+    return main(runs=a.runs, busy_procs=a.busy, only=a.weeks or None)
+
+
 def cmd_gpu_check(a) -> int:
     from grader.tools.gpu_check import main
     return main()
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
 def main(argv=None) -> int:
+    from grader.judge.timeouts import EXECUTE_TIMEOUT
     p = argparse.ArgumentParser(prog="python -m grader", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="run a lab notebook and grade it the trusted way; prints score: X/Y")
@@ -96,6 +109,9 @@ def main(argv=None) -> int:
     c.add_argument("--backend", default=None, help="gloo, nccl or auto (default)")
     c.add_argument("--no-execute", action="store_true", help="skip running the notebook; grade its modules only")
     c.add_argument("--output", default=None, help="where to write the executed notebook (default: a temp file)")
+    c.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+                   help=f"stop the notebook when a cell runs longer (default {EXECUTE_TIMEOUT}, as autograde allows; "
+                        "the whole notebook: twice that)")
     c.set_defaults(fn=cmd_check)
     s = sub.add_parser("check-server", help="the warm trusted process later checks use (check starts it); "
                        "--stop stops yours")
@@ -130,6 +146,11 @@ def main(argv=None) -> int:
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--repeats", type=int, default=3)
     b.set_defaults(fn=cmd_bench)
+    q = sub.add_parser("repeat-scores", help="grade every correct submission N times: the same score every run")
+    q.add_argument("weeks", nargs="*", help="weeks to grade (default: all)")
+    q.add_argument("--runs", type=int, default=10)
+    q.add_argument("--busy", type=int, default=0, help="processes spinning beside the runs (2: a busy 2-core machine)")
+    q.set_defaults(fn=cmd_repeat_scores)
     sub.add_parser("gpu-check", help="on a CUDA machine: the install, every lab on NCCL, the lectures' GPU cells"
                    ).set_defaults(fn=cmd_gpu_check)
     a = p.parse_args(argv)

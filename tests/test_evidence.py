@@ -43,11 +43,12 @@ def test_a_rank_cannot_open_another_ranks_inputs():
 def test_week02_ranks_receive_only_their_blocks():
     """What a rank receives has every other rank's block of a dense weight poisoned (NaN) and its
     activations sharded as a real rank's are; the full tensors stay with the trusted process."""
-    from grader.judge.job import plan_items, rank_views
+    from grader.judge.job import draw_seeds, plan_items, rank_views
     from grader.judge.case import get_case
-    items = [it for it in plan_items(["week02/column_parallel_local", "week02/row_parallel_input_parallel"],
-                                     fresh_seed=False) if it.t == 2]
-    inputs = {it.id: get_case(it.case).make_inputs(it.config, torch.Generator().manual_seed(it.seed))
+    items = [it for it in plan_items(["week02/column_parallel_local", "week02/row_parallel_input_parallel"])
+             if it.t == 2]
+    seeds = draw_seeds(items)
+    inputs = {it.id: get_case(it.case).make_inputs(it.config, torch.Generator().manual_seed(seeds[it.id]))
               for it in items}
     views = rank_views(items, inputs)
     col, row = (it.id for it in items)

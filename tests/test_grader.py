@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grader.judge.case import Contract
-from grader.judge.compare import check_contract, compare_tensor, describe_error, is_comm_error
+from grader.judge.compare import check_contract, check_params, compare_tensor, describe_error, is_comm_error
 from grader.rank.exchange import Item, RankRecord
 from grader.judge.timeouts import EXECUTE_TIMEOUT, KILL_GRACE, PG_TIMEOUT, job_wall_clock
 from tpkit.ledger import CommLedger, ring_bytes_sent
@@ -42,8 +42,8 @@ def test_contract_messages():
     res = RankRecord(ledger=[{"phase": "forward", "op": "all_reduce", "sent": 0}] * 2,
                      params={"weight": [8, 8]})
     probs = check_contract(c, res, 0)
-    assert "rank 0: forward used 2 all_reduce; the contract is 1." in probs
-    assert any("keeps `weight` of shape (8, 8); its shard is (4, 8)" in p for p in probs)
+    assert probs == ["rank 0: forward used 2 all_reduce; the contract is 1."]   # the shapes are the rank's word
+    assert any("keeps `weight` of shape (8, 8); its shard is (4, 8)" in p for p in check_params(c, res, 0))
     c = Contract(allowed_ops={"send", "recv"}, bytes_sent={"all": 96})
     probs = check_contract(c, RankRecord(ledger=[{"phase": "forward", "op": "all_reduce", "sent": 96}]), 2)
     assert any("only recv, send are allowed" in p for p in probs)
@@ -65,7 +65,7 @@ def test_each_rank_is_compared_with_the_shard_of_its_place_in_the_group():
     from grader.rank.exchange import participants
     case = Case(name="t/shards", module="m", world_sizes=(2,), config={}, make_inputs=None, reference=None,
                 run_rank="f", expected=lambda cfg, ref, r, t: {"y": ref["y"].chunk(t)[r]})
-    item = Item(id="t/shards@t2", case="t/shards", module="m", run_rank="f", t=2, seed=0, config={}, timeout=10)
+    item = Item(id="t/shards@t2", case="t/shards", module="m", run_rank="f", t=2, config={}, timeout=10)
     ref = {"y": torch.arange(4.0)}
     group = participants(2, 4)
     right = {j: RankRecord(tensors={"y": ref["y"].chunk(2)[i]}) for i, j in enumerate(group)}
@@ -156,7 +156,7 @@ def test_rank_lists_are_said_once_and_in_good_grammar():
 
 def test_a_rank_that_lost_its_peers_is_not_blamed():
     from grader.judge.job import _missing_reason
-    item = Item(id="week02/mlp@t4", case="week02/mlp", module="tp_linear", run_rank="run_mlp", t=4, seed=0,
+    item = Item(id="week02/mlp@t4", case="week02/mlp", module="tp_linear", run_rank="run_mlp", t=4,
                 config={}, timeout=15)
     run = _run({1: -11, 0: -15, 2: -15, 3: -15}, order=[1, 0, 2, 3])
     progress = {0: {"item": item.id, "where": "waiting", "op": "all_reduce", "index": 1, "phase": "forward"},
@@ -171,7 +171,7 @@ def test_a_rank_that_lost_its_peers_is_not_blamed():
 def test_an_abort_inside_a_collective_names_the_size_mismatch():
     from grader.judge.job import _missing_reason
     item = Item(id="week04/embedding@t2", case="week04/embedding", module="vocab_parallel", run_rank="run_embedding",
-                t=2, seed=0, config={}, timeout=15)
+                t=2, config={}, timeout=15)
     run = _run({0: -6, 1: -6}, order=[0, 1])
     progress = {0: {"item": item.id, "where": "inside", "op": "all_reduce", "index": 1, "phase": "forward"}}
     msg = _missing_reason(0, item, run, progress, [], [0, 1])

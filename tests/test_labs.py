@@ -26,7 +26,8 @@ def verdicts(nb):
     for _, cell, names, _ in cells:
         gid = cell.metadata["nbgrader"]["grade_id"]
         failed = [report.cases[n] for n in names if not report.cases[n].passed]
-        out[gid] = (not failed, "\n".join(c.message() for c in failed))
+        notes = [report.cases[n].notes() for n in names if report.cases[n].passed]
+        out[gid] = (not failed, "\n".join([c.message() for c in failed] + [n for n in notes if n]))
     return out, report
 
 

@@ -57,8 +57,9 @@ def check(*names: str, backend: str | None = None, launcher: str | None = None) 
         # your own kernel, your own code: no sandbox unless GRADER_SANDBOX asks for one
         report = run_checks(list(names), sources, backend=backend, launcher=launcher,
                             sandbox=os.environ.get("GRADER_SANDBOX", "off"), interactive=True)
+    notes = [c.notes() for c in report.cases.values() if c.passed and c.notes()]
     if report.passed:
-        print(report.table())
+        print("\n".join([report.table()] + notes))
         return
-    failed = [c.message() for c in report.cases.values() if not c.passed]
+    failed = [c.message() for c in report.cases.values() if not c.passed] + notes
     raise AssertionError("\n".join(failed) + f"\n({report.seconds:.1f} s)") from None

@@ -18,6 +18,9 @@ each process of a real job holds only its own data), never the other ranks' rows
 tensor cannot be made without the ring. The dense results are computed here, in the trusted process, from
 the stack (cumulative sums, so row t-1 is the sum of the first t ranks' inputs).
 
+Scored: values against the trusted reference and the switchboard's record of the collectives. "note (inside the
+rank, not scored)" marks what the harness measures in the student's process: said beside the verdict, no points.
+Such notes everywhere: ctx.hand (an input written into) and a replaced harness function (grader/rank/seal.py).
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  1. ring_reduce_scatter returns chunk r of the sum -> reduce_scatter: `y`
  2. chunks are torch.tensor_split pieces, any numel -> reduce_scatter_uneven (201 at t=4 splits 51,50,50,50,
@@ -25,16 +28,20 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  3. ring_all_gather returns the chunks in rank order along dim 0 -> all_gather: `y`
  4. ring_all_reduce returns the sum, shaped like x, any numel -> all_reduce: `y`; hidden all_reduce_hidden
     (1003) and all_reduce_2d_hidden (37 x 29), not divisible by 2, 3 or 4
- 5. return a new tensor, leave x unchanged -> every case: ctx.hand("x") (fixture reduce_scatter_in_place)
+ 5. return a new tensor, leave x unchanged -> every case, note (inside the rank, not scored): ctx.hand("x") (fixture
+    reduce_scatter_in_place: full marks, with the note)
  6. only send/recv traffic, no dist.all_reduce -> every case: Contract.allowed_ops (fixture uses_all_reduce)
  7. bytes sent per rank = the ring optimum within 1% -> every case: Contract.bytes_sent["all"]
  8. use `group` (t=3 runs on ranks 1-3 of a 4-rank job, t=2 on ranks 2-3) -> world_sizes (2, 3, 4) on a
     4-rank job: a global rank or world size breaks the smaller sizes; the default group is refused
  9. a ring step that cannot deadlock (non-blocking ops) -> every case: the deadlock watch names the ranks waiting
     in their sends (fixture deadlock_send_first)
-9 rules stated; 9 checked before this issue (rule 5 by an `x_unchanged` tensor), 9 checked now.
+9 rules stated; 9 checked before this issue (rule 5 by an `x_unchanged` tensor), 9 checked now (8 scored, rule 5 a
+note).
 Course-wide rule (not in this lab's text): a rank holds only its own input -> every case: `_own_row`
 (fixture peek_caller_frame).
+Every case's seed, public ones too, is drawn fresh at grading in the trusted process (grader/judge/job.py
+draw_seeds) and never reaches a rank (fixture seed_oracle: an answer rebuilt from the public seed fails).
 """
 from __future__ import annotations
 

@@ -6,17 +6,22 @@ For W of shape (out, in) and t ranks (Megatron-LM, Shoeybi et al. 2019, Sec. 3):
 - row-parallel: rank r holds W[:, r-th in-block] (out, in/t); Y = sum_r X_r W_r^T needs one
   all-reduce in forward (the g operator); dX_r = dY W_r is local.
 
+Scored: values against the trusted reference and the switchboard's record of the collectives. "note (inside the
+rank, not scored)" marks what the harness measures in the student's process: said beside the verdict, no points.
+Such notes everywhere: Contract.params (the names and shapes a rank reports; a rank keeping more than its shard is
+caught by its values, as it receives only its own part of every dense tensor, the rest NaN), ctx.hand (an input
+written into) and a replaced harness function (grader/rank/seal.py).
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  1. column-parallel keeps rows r*out/t:(r+1)*out/t of W (and of b) -> column_parallel, column_parallel_local:
-    Contract.params, `dW`, `db` (fixture unsharded_cheat)
+    `dW`, `db` (the other rows arrive NaN); Contract.params: a note (fixture unsharded_cheat)
  2. its forward is local; gather_output=True all-gathers along the last dim, whose backward keeps the slice ->
     Contract.counts forward {all_gather: 1} / {} (local), `y` (fixture wrong_shape)
  3. dX needs f: identity forward, all-reduce backward -> column cases: counts backward {all_reduce: 1}, `dx`
- 4. shards live in self.weight / self.bias, nn.Parameters shaped like nn.Linear's -> every case: Contract.params
-    (names and shapes)
+ 4. shards live in self.weight / self.bias, nn.Parameters shaped like nn.Linear's -> every case: `dW`, `db` are read
+    by those names; Contract.params (names and shapes): note (inside the rank, not scored)
  5. use `group` and dist.get_rank(group) / get_world_size(group) -> world_sizes (2, 4) on a 4-rank job (t=2 runs
     on ranks 2 and 3)
- 6. row-parallel keeps columns r*in/t:(r+1)*in/t of W -> row_parallel*: Contract.params, `dW`
+ 6. row-parallel keeps columns r*in/t:(r+1)*in/t of W -> row_parallel*: `dW`; Contract.params: a note
  7. its forward ends in g: all-reduce forward -> row cases: counts forward {all_reduce: 1} (fixture deadlock_skip)
  8. g's backward is the identity -> row cases: `dx`, `dW` (fixture wrong_weight_grad)
  9. the row bias is added once, after the sum -> row_parallel: `y`, `db` (fixture bias_every_rank)
@@ -24,9 +29,10 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
     {all_gather: 1}, full `dx`; row_parallel_input_parallel: backward {}, `dx` shard
 11. the MLP: exactly one all-reduce forward and one backward -> mlp: Contract.counts, where every other
     collective, barriers included, is counted too (fixture extra_barrier)
-11 rules stated; 11 checked before this issue, 11 checked now.
-Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
-ctx.hand on the dense layer's parameters and the input (new; see grader/rank/week02.py on upstream grads).
+11 rules stated; 11 checked before this issue, 11 checked now (1, 4 and 6 by values, Contract.params a note).
+Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case,
+note (inside the rank, not scored): ctx.hand on the dense layer's parameters and the input (see grader/rank/week02.py
+on upstream grads). A replaced harness function: a note too (fixture patched_ledger: full marks, with the note).
 """
 from __future__ import annotations
 

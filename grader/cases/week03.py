@@ -23,31 +23,38 @@ stay O(1)), inputs and upstream grads are N(0, 1), everything is float32 (eps ~1
 reductions are tens of terms long: a correct TP implementation differs from the dense one by
 ~1e-6 (reordered sums), a wrong slice or a doubled reduction by O(0.1-1).
 
+Scored: values against the trusted reference and the switchboard's record of the collectives. "note (inside the
+rank, not scored)" marks what the harness measures in the student's process: said beside the verdict, no points.
+Such notes everywhere: Contract.params (the names and shapes a rank reports; a rank keeping more than its shard is
+caught by its values, as it receives only its own part of every dense tensor, the rest NaN), ctx.hand (an input
+written into) and a replaced harness function (grader/rank/seal.py).
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  1. rank r owns query heads [r nh/t, (r+1) nh/t): those rows of q_proj, those columns of o_proj -> attention*,
-    block*: Contract.params, `d.q_proj.weight`, `d.o_proj.weight`
+    block*: `d.q_proj.weight`, `d.o_proj.weight`; Contract.params (note)
  2. the input passes f (all-reduce backward) before the projections -> counts backward {all_reduce: 1}, `dx`
     (fixture reduce_twice)
  3. o_proj's partial sum is all-reduced by g -> counts forward {all_reduce: 1}, bytes_sent forward, `y`
  4. GQA: rank r keeps the k/v rows of kv_heads_of_rank(...), a copy when several ranks read one kv head ->
-    attention_gqa (t=4 copies): Contract.params, `d.k_proj.weight`, `d.v_proj.weight` (fixture wrong_kv_head)
+    attention_gqa (t=4 copies): `d.k_proj.weight`, `d.v_proj.weight`, Contract.params (note) (fixture wrong_kv_head)
  5. a copy's grad is the partial grad: no all-reduce of k/v grads inside the block -> `d.k_proj.weight`
     (fixture copy_grad_zeroed), counts backward
  6. use `group` and dist.get_rank(group) -> world_sizes (2, 4) on a 4-rank job (t=2 on ranks 2 and 3)
- 7. keep the HF module names -> Contract.params by name; the grads are read by name (a missing one is reported)
- 8. MLP: gate/up keep rows r*ffn/t:(r+1)*ffn/t, down those columns -> block*: Contract.params, `d.mlp.*.weight`
+ 7. keep the HF module names -> the grads are read by name (a missing one is reported); Contract.params (note)
+ 8. MLP: gate/up keep rows r*ffn/t:(r+1)*ffn/t, down those columns -> block*: `d.mlp.*.weight`, Contract.params
+    (note)
  9. SwiGLU runs locally, no communication -> block: counts forward {all_reduce: 2}
 10. pre-norm block h = x + attn(norm1(x)), y = h + mlp(norm2(h)) -> block: `y`, `dx`
-11. the two RMSNorms are replicated -> block: Contract.params (C,), `d.*layernorm.weight` = the dense grad
+11. the two RMSNorms are replicated -> block: `d.*layernorm.weight` = the dense grad; Contract.params (C,) (note)
 12. residual adds on the all-reduced outputs, once -> block: `y` (fixture residual_inside_reduce)
 13. norm weight grads need no communication -> block: `d.input_layernorm.weight`, counts backward
     {all_reduce: 2} (fixture norm_grad_allreduced)
 14. attention 1 all-reduce forward + 1 backward, the block 2 + 2 -> Contract.counts, bytes_sent
 15. write the pieces fresh, do not import the Week 2 module -> the job ships only this lab's modules, so an
     import of tp_linear fails on every rank
-15 rules stated; 15 checked before this issue, 15 checked now.
-Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
-ctx.hand on the dense module's parameters and the input (new; see grader/rank/week02.py on upstream grads).
+15 rules stated; 15 checked before this issue, 15 checked now (by values and the record; Contract.params a note).
+Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case,
+note (inside the rank, not scored): ctx.hand on the dense module's parameters and the input (see
+grader/rank/week02.py on upstream grads).
 Course-wide rule: a rank holds only what its rank owns -> every case: `_own` (fixture dense_shadow).
 """
 from __future__ import annotations

@@ -26,8 +26,13 @@ atol=1e-3: logits are 2 N(0, 1) in float32, a loss is a mean of O(1) terms, and 
 with dL/dloss = B*T so each logit grad is O(1) (not O(1/#tokens), where an error would hide under the
 atol); a correct implementation is within ~1e-6, a wrong mask or smoothing term is off by >1e-2.
 
+Scored: values against the trusted reference and the switchboard's record of the collectives. "note (inside the
+rank, not scored)" marks what the harness measures in the student's process: said beside the verdict, no points.
+Such notes everywhere: Contract.params (the names and shapes a rank reports; a rank keeping more than its shard is
+caught by its values, as it receives only its own part of every dense tensor, the rest NaN), ctx.hand (an input
+written into) and a replaced harness function (grader/rank/seal.py).
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
- 1. the embedding keeps rows vocab_range(V, r, t) in self.weight -> embedding*: Contract.params, `dW`
+ 1. the embedding keeps rows vocab_range(V, r, t) in self.weight -> embedding*: `dW`; Contract.params (note)
  2. ... with zeros in the rows past V -> embedding_uneven (V=30, t=4): `weight shard kept by this rank`
     (new; fixture embedding_padding_ones)
  3. forward: mask, shift, look up, zero the masked rows, one all-reduce -> `y`, counts forward {all_reduce: 1},
@@ -35,8 +40,8 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  4. its backward is the identity: no communication -> counts backward {}, `dW`
  5. cross-entropy: exactly 3 all-reduces of [B, T] forward, 3 * 2(t-1)/t * B*T*4 bytes -> cross_entropy*:
     Contract.counts, bytes_sent
- 6. the first is a MAX all-reduce of the row max -> `forward all-reduces with ReduceOp.MAX` (new: a dispatch
-    mode reads each all-reduce's op; fixture row_max_summed)
+ 6. the first is a MAX all-reduce of the row max -> `forward all-reduces with ReduceOp.MAX` (new: read from the
+    switchboard's record of each all-reduce's op; fixture row_max_summed)
  7. SUM of the target logit (owner only) and SUM of sum(exp) -> `loss`, `dlogits`
  8. padded columns are masked (the checker fills them with PAD_LOGIT) -> cross_entropy_uneven (V=30): `loss`
     (fixture padding_wins)
@@ -49,10 +54,11 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
     units of bytes -> cross_entropy_smoothing: counts, bytes_sent, `loss` (fixture smoothing_local_vocab)
 14. smoothing adds -eps/V on every real column in backward -> cross_entropy_smoothing: `dlogits`
 15. 2, 3 and 4 ranks, V not divisible by t -> visible t = 2, 4 with V = 30, 22; hidden t = 3 with V = 37, 53
-15 rules stated; 13 checked before this issue (2 and 6 were not), 15 checked now.
-Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case:
-ctx.hand on the dense table, the ids, the logits and the targets (new; fixture
-targets_overwritten).
+15 rules stated; 13 checked before this issue (2 and 6 were not), 15 checked now (rule 1 by `dW`; Contract.params a
+note).
+Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> every case,
+note (inside the rank, not scored): ctx.hand on the dense table, the ids, the logits and the targets (fixture
+targets_overwritten: full marks, with the note).
 Course-wide rule: a rank holds only what its rank owns -> `_own_rows`, `_own_logits` (fixture
 dense_table_lookup).
 """
@@ -153,7 +159,7 @@ def _ce_expected(cfg, ref, r, t):
 MAX_REDUCES = "forward all-reduces with ReduceOp.MAX"
 
 
-def _max_reduces(cfg, record: list) -> dict:
+def _max_reduces(cfg, record: list, r: int, t: int) -> dict:
     """The forward all-reduces whose op is MAX, from the record of the rank's collectives."""
     n = sum(e.get("op") == "all_reduce" and e.get("reduce") == "max" and e.get("phase") == "forward" for e in record)
     return {MAX_REDUCES: torch.tensor([n])}

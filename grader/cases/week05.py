@@ -22,6 +22,11 @@ seed leaves the trusted process. divisibility receives nothing (it builds its ow
 dense_head_keep_columns: every logit from the kept dense LM head, then its columns, full marks when ranks were
 handed everything; now the head's input grad reads the NaN rows.)
 
+Scored: values against the trusted reference and the switchboard's record of the collectives. "note (inside the
+rank, not scored)" marks what the harness measures in the student's process: said beside the verdict, no points.
+Such notes everywhere: Contract.params (the names and shapes a rank reports; a rank keeping more than its shard is
+caught by its values, as it receives only its own part of every dense tensor, the rest NaN), ctx.hand (an input
+written into) and a replaced harness function (grader/rank/seal.py).
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  1. GatherFromSequence: all-gather along T forward, reduce-scatter backward -> sequence_ops: `y_gather`,
     `dx_gather`, Contract.counts
@@ -30,8 +35,9 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  3. the collectives split dim 0: move the sequence (dim 1) to the front -> the values (fixture rs_wrong_dim)
  4. use `group` in every collective -> world_sizes (2, 4) on a 4-rank job (t=2 on ranks 2 and 3)
  5. the dense module names, each holding this rank's shard (q/k/v, gate/up rows; o, down columns) -> sp_block*:
-    Contract.params, `dq_proj` ... `ddown_proj`
- 6. the two norm weights stay whole (replicated) -> Contract.params (C,)
+    `dq_proj` ... `ddown_proj`, Contract.params (note)
+ 6. the two norm weights stay whole (replicated) -> `dinput_layernorm`, `dpost_attention_layernorm` (C,), the dense
+    grad (rule 7); Contract.params (C,) (note)
  7. each norm-weight grad is all-reduced during backward -> `dinput_layernorm`, `dpost_attention_layernorm` (the
     dense grad on every rank), counts backward {all_reduce: 2} (fixture forgot_norm_allreduce)
  8. ValueError if the kv heads or the FFN width are not divisible by t -> divisibility (fixture
@@ -43,7 +49,8 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
     `x_block`
 12. the layer runs on the padded T = 7 on 2 and 4 ranks -> sp_block_uneven: `y`, `dx`, every grad
 13. SPCausalLM keeps the dense names: embedding and lm_head rows r*V/t:(r+1)*V/t, the layers' shards, the final
-    norm whole -> sp_model: Contract.params, `dmodel.embed_tokens.weight`, `dlm_head.weight`, every layer grad
+    norm whole -> sp_model: `dmodel.embed_tokens.weight`, `dlm_head.weight`, every layer grad;
+    Contract.params (note)
 14. the embedding's partial lookups are reduce-scattered along T (not all-reduced) -> sp_model: counts forward
     {reduce_scatter: 2L+1} and no all_reduce, bytes_sent; `dmodel.embed_tokens.weight` (an all-reduce + plain slice
     keeps only the grad of this rank's block of tokens; fixture embed_allreduce_slice)
@@ -53,16 +60,16 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 17. all-gather along T before the LM head, whose backward reduce-scatters -> counts forward {all_gather: 2L+1},
     backward {reduce_scatter: 2L+1}; every grad below the head (fixture head_gather_own_grad)
 18. forward returns this rank's logit columns for all T positions, (B, T, V/t) -> `logits`
-19. SPDecoderLayer.from_dense and SPCausalLM.from_dense leave the module they are given as it was (copy what you
-    keep; the demo cells run the dense module afterwards) -> sp_block*, sp_model*: grader.rank.week05.check_untouched
-    after from_dense and after backward: the same submodule names and types, the same parameter and buffer
-    objects with their shapes, no new hooks on them, no .grad on them (values: ctx.hand, rule 20) (fixtures
-    model_taken_apart, layer_taken_apart, norm_shared_with_caller; independent_sp_model: a correct SPCausalLM
-    built from fresh modules, full marks) (new in issue 23)
-20. your code may not write into the tensors it is given -> every case: ctx.hand on the inputs and the dense
-    layer's parameters (see grader/rank/week02.py on upstream grads)
+19. SPDecoderLayer.from_dense and SPCausalLM.from_dense leave the module they are given as it was (copy what you keep;
+    the demo cells run the dense module afterwards) -> sp_block*, sp_model*, note (inside the rank, not scored):
+    grader.rank.week05.check_untouched after from_dense and after backward: the same submodule names and types, the
+    same parameter and buffer objects with their shapes, no new hooks on them, no .grad on them (values: ctx.hand,
+    rule 20) (fixtures model_taken_apart, layer_taken_apart, norm_shared_with_caller: full marks, with the note;
+    independent_sp_model: a correct SPCausalLM built from fresh modules, full marks) (new in issue 23)
+20. your code may not write into the tensors it is given -> every case, note (inside the rank, not scored): ctx.hand
+    on the inputs and the dense layer's parameters (see grader/rank/week02.py on upstream grads)
 20 rules stated, 20 checked. 19 is new in issue 23; 20 was graded before, but the lab's text states it only since
-issue 25.
+issue 25. Now 18 are scored; 19 and 20 are notes (inside the rank, not scored).
 """
 from __future__ import annotations
 

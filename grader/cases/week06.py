@@ -1,9 +1,11 @@
 """Week 6: overlapped (ring) AG+GEMM and GEMM+RS, the column/row linears built on them, and the sequence-parallel
 column linear whose backward overlaps its all-gather and reduce-scatter with GEMMs (Megatron-LM); t = 2 and 4.
 
-Correctness is graded (dense reference at atol=1e-3, plus bit-exactness vs the non-overlapped version
-where the algorithm allows); the time overlap saves is not (a timing, reported by
-`tpkit.timeline.overlap_efficiency`). Task 4 grades the order of issue, GEMM and wait instead (rule 12).
+Correctness is scored (dense reference at atol=1e-3), with the switchboard's counts and bytes of the collectives.
+Bit-exactness vs the non-overlapped version (where the algorithm allows), recomputed on the rank, is a note
+(inside the rank, not scored); the time overlap saves is not scored (a timing, reported by
+`tpkit.timeline.overlap_efficiency`); Task 4's order of issue, GEMM and wait (rule 12) is measured on the rank: a
+note too. Task 4 is scored on its values and the collectives' counts and bytes per phase.
 
 What each rank receives (`_own_*`, Case.rank_inputs): the ring functions get its x block (the sequence block for
 AG+GEMM, the input-feature block for GEMM+RS) and its weight shard, nothing of the other ranks'; the linears get the
@@ -18,48 +20,58 @@ bits in exact arithmetic. The ring RS adds the partial sums in ring order; reduc
 with an all-reduce) adds them in its own order. Two terms commute exactly (a + b == b + a), so equal bits at
 t = 2; at t = 4 the order, and so the rounding, differs. A second exception is the CPU BLAS itself: the same
 (2, 2, 16) GEMM on the same values gives different last bits when its input starts 4 bytes off a 16-byte
-boundary (measured, torch 2.13 CPU), and at t = 4 the AG check also differed in our runs. So bits are graded
-at t = 2 (where they held in every run) and only atol=1e-3 applies at t = 4.
+boundary (measured, torch 2.13 CPU), and at t = 4 the AG check also differed in our runs. So bits are compared
+(a note) at t = 2 (where they held in every run) and only atol=1e-3 applies at t = 4.
 
+Scored: values against the trusted reference and the switchboard's record of the collectives. "note (inside the
+rank, not scored)" marks what the harness measures in the student's process: said beside the verdict, no points.
+Such notes everywhere: Contract.params (the names and shapes a rank reports; a rank keeping more than its shard is
+caught by its values, as it receives only its own part of every dense tensor, the rest NaN), ctx.hand (an input
+written into) and a replaced harness function (grader/rank/seal.py).
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  1. ring_all_gather_matmul returns Y = AllGather(x) W^T (B, T, O) and the gathered x -> ag_matmul: `y`, `x_full`
  2. at step k rank r holds the block of rank (r - k) mod t -> ag_matmul at t=4: `y` (fixture wrong_chunk_order)
- 3. two buffers of its own, used in turn (never the caller's x_s) -> ctx.hand("x_s"), ctx.hand("weight")
-    (fixture receives_into_input)
+ 3. two buffers of its own, used in turn (never the caller's x_s) -> note (inside the rank, not scored):
+    ctx.hand("x_s"), ctx.hand("weight") (fixture receives_into_input: full marks, with the note)
  4. matmul_reduce_scatter returns this rank's block of the sum (B, T/t, O) -> matmul_rs: `y`
  5. per ring t-1 sends and t-1 receives, no collective -> every case: Contract.counts
- 6. the forward equals the non-overlapped version bit for bit (at t = 2, see above) -> ag_matmul, matmul_rs:
-    `same_bits_as_plain`
+ 6. the forward equals the non-overlapped version bit for bit (at t = 2, see above) -> ag_matmul, matmul_rs,
+    note (inside the rank, not scored): `same_bits_as_plain`
  7. the column linear keeps rows r*O/t:(r+1)*O/t; forward ring AG+GEMM, backward GEMM+RS for dX and dW from the
-    gathered X -> column_linear: Contract.params, counts forward/backward (one ring each), `y`, `dx`, `dW`
+    gathered X -> column_linear: Contract.params (note), counts forward/backward (one ring each), `y`, `dx`, `dW`
  8. the row linear keeps that block of columns; forward GEMM+RS, backward ring AG+GEMM of dY -> row_linear: the same
  9. the SP column linear keeps rows r*O/t:(r+1)*O/t; forward all-gathers x along T (one all-gather), backward
     re-gathers X for dW and reduce-scatters dX, nothing else; outputs and grads match the dense layer ->
-    sp_column_backward: Contract.params, counts and bytes_sent per phase, `y`, `dx`, `dW`
+    sp_column_backward: Contract.params (note), counts and bytes_sent per phase, `y`, `dx`, `dW`
     (fixture forgot_reduce_scatter)
-10. forward saves only x_s, not the gathered X -> `saves_shard_only` (no saved tensor, nor ctx attribute, of the
-    gathered size)
-11. moving the waits changes no bits: output, dX and dW equal the non-overlapped version (all_gather_single,
-    F.linear; dy @ weight, reduce_scatter_single; dy^T X) bit for bit -> `bits_y`, `bits_dx`, `bits_dW`,
-    recomputed in the harness phase. Held at t = 2 and 4: both sides run the same gloo collectives on the same
-    inputs and the same GEMMs on freshly allocated buffers.
-12. the all-gather is posted (async_op=True) before the dgrad GEMM and waited after it; the reduce-scatter is
-    posted before the wgrad GEMM and waited after it -> `overlap_ag`, `overlap_rs`: the order in which backward
-    issued each collective, ran GEMMs (aten mm/addmm/bmm/baddbmm) and returned from Work.wait / wait_tensor,
-    recorded on the rank (tpkit.timeline.IssueLog) (fixture serialized_backward_ag). Only the GEMM the rule names
-    counts, recognised by what it reads and makes (grader.rank.week06.BackwardGemms): the dgrad GEMM reads all of
-    dY and the weight and makes all of dX; the wgrad GEMM reads all of dY and of the re-gathered X and makes all
-    of dW; views and data-moving copies of those buffers count as them (tpkit.timeline.Provenance) (fixtures
-    dummy_gemm_under_collectives: a 1x1 torch.mm under each; sliced_gemm_under_collectives: one position's
-    share; independent_backward: a correct backward written differently, full marks)
-12 rules stated; 8 checked before this issue, 12 checked now (rule 12 by the named GEMMs since issue 23).
+10. forward saves only x_s, not the gathered X -> note (inside the rank, not scored): `saves_shard_only` (no saved
+    tensor, nor ctx attribute, of the gathered size)
+11. moving the waits changes no bits: output, dX and dW equal the non-overlapped version (all_gather_single, F.linear;
+    dy @ weight, reduce_scatter_single; dy^T X) bit for bit -> note (inside the rank, not scored): `bits_y`,
+    `bits_dx`, `bits_dW`, recomputed in the harness phase. Held at t = 2 and 4: both sides run the same gloo
+    collectives on the same inputs and the same GEMMs on freshly allocated buffers.
+12. the all-gather is posted (async_op=True) before the dgrad GEMM and waited after it; the reduce-scatter is posted
+    before the wgrad GEMM and waited after it -> note (inside the rank, not scored; the checker cannot score the order
+    from outside the rank yet): `overlap_ag`, `overlap_rs`: the order in which backward issued each collective, ran
+    GEMMs (aten mm/addmm/bmm/baddbmm) and returned from Work.wait / wait_tensor, recorded on the rank
+    (tpkit.timeline.IssueLog) (fixture serialized_backward_ag: full marks, with the note). Only the GEMM the rule
+    names counts, recognised by what it reads and makes (grader.rank.week06.BackwardGemms): the dgrad GEMM reads all
+    of dY and the weight and makes all of dX; the wgrad GEMM reads all of dY and of the re-gathered X and makes all of
+    dW; views and data-moving copies of those buffers count as them (tpkit.timeline.Provenance) (fixtures, full marks
+    with the note: dummy_gemm_under_collectives: a 1x1 torch.mm under each; sliced_gemm_under_collectives: one
+    position's share; independent_backward: a correct backward written differently, full marks)
+12 rules stated; 8 checked before this issue, 12 checked now (rule 12 by the named GEMMs since issue 23). Scored now:
+1, 2, 4, 5, 7, 8 and 9 (values and the switchboard's record); 3, 6, 10, 11 and 12 are notes (inside the rank, not
+scored).
 Stated by the lab as reported, not graded: the ring's overlap (Tasks 1-3: post step k+1 before the GEMM of step k,
 wait after it). Timing on a shared CPU is not a fair grade; the ungraded cell reports it (fixture
-serialized_overlap passes by design). Task 4 grades the *order* of issue, GEMM and wait (rule 12), which is
-deterministic; whether the bytes really moved during the GEMM is a timing again, and not graded.
+serialized_overlap passes by design). Task 4 measures the *order* of issue, GEMM and wait (rule 12), which is
+deterministic, but on the rank: a note; whether the bytes really moved during the GEMM is a timing again, and not
+graded.
 "No bias" is the lab's scope, not a rule.
 Course-wide rule, stated in the lab's introduction since issue 25: code may not write into the tensors it is given ->
-ctx.hand on the ring functions' inputs and the linears' dense weight and input (fixture receives_into_input).
+note (inside the rank, not scored): ctx.hand on the ring functions' inputs and the linears' dense weight and input
+(fixture receives_into_input: full marks, with the note).
 """
 from __future__ import annotations
 
@@ -166,13 +178,13 @@ def _cfg(**kw):
 for name, cfg, seed in [("ag_matmul", _cfg(), 10), ("ag_matmul_hidden", _cfg(B=3, T=12, **{"in": 8, "out": 20}), None)]:
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_ag_matmul", expected=_expect_ag,
-                  contract=_ring_contract(("forward",), harness={"all_gather": 1}), seed=seed, hidden=seed is None, title="ring AG+GEMM",
+                  contract=_ring_contract(("forward",), harness={"all_gather": 1}), feedback=("same_bits_as_plain",), seed=seed, hidden=seed is None, title="ring AG+GEMM",
                   rank_inputs=_own_ag,
                   hints=HINTS))
 for name, cfg, seed in [("matmul_rs", _cfg(), 11), ("matmul_rs_hidden", _cfg(B=1, T=12, **{"in": 20, "out": 8}), None)]:
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_matmul_rs", expected=_expect_rs,
-                  contract=_ring_contract(("forward",), harness={"reduce_scatter": 1}), seed=seed, hidden=seed is None, title="GEMM+ring RS",
+                  contract=_ring_contract(("forward",), harness={"reduce_scatter": 1}), feedback=("same_bits_as_plain",), seed=seed, hidden=seed is None, title="GEMM+ring RS",
                   rank_inputs=_own_rs,
                   hints=HINTS))
 for name, cfg, seed in [("column_linear", _cfg(kind="column"), 12), ("row_linear", _cfg(kind="row"), 13),
@@ -211,6 +223,11 @@ SP_HINTS.update({
 })
 
 
+# measured by the rank (the order of its posts, GEMMs and waits; what its autograd kept; bits against the rank's own
+# recomputation): feedback. Scored: the values and the switchboard's record of the collectives
+SP_COLUMN_INSIDE = ("bits_y", "bits_dx", "bits_dW", "overlap_ag", "overlap_rs", "saves_shard_only")
+
+
 def _expect_sp_column(cfg, ref, r, t):
     one = torch.tensor([1])
     return {"y": shard(ref["y"], r, t, 2), "dx": shard(ref["dx"], r, t, 1), "dW": shard(ref["dW"], r, t, 0),
@@ -233,6 +250,6 @@ def _sp_column_contract(cfg, t):
 for name, cfg, seed in [("sp_column_backward", _cfg(), 14),
                         ("sp_column_backward_hidden", _cfg(B=3, T=4, **{"in": 12, "out": 8}), None)]:
     register(Case(name=f"week06/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
-                  reference=_reference, run_rank="run_sp_column", expected=_expect_sp_column,
+                  reference=_reference, run_rank="run_sp_column", expected=_expect_sp_column, feedback=SP_COLUMN_INSIDE,
                   contract=_sp_column_contract, seed=seed, hidden=seed is None, rank_inputs=_own_linear,
                   title="SP column linear, backward overlap", hints=SP_HINTS))

@@ -23,21 +23,27 @@ with a reduce-scatter; backward swaps them. The embedding leaves with a reduce-s
 enters with an all-gather, and vocab-parallel cross-entropy adds three all-reduces of (B*T) scalars
 (max, sum-exp, target logit) in forward and none in backward.
 
+Scored: values against the trusted reference and the switchboard's record of the collectives. "note (inside the
+rank, not scored)" marks what the harness measures in the student's process: said beside the verdict, no points.
+Such notes everywhere: Contract.params (the names and shapes a rank reports; a rank keeping more than its shard is
+caught by its values, as it receives only its own part of every dense tensor, the rest NaN), ctx.hand (an input
+written into) and a replaced harness function (grader/rank/seal.py).
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  1. both RMSNorms run on the local tokens with a replicated weight (SequenceParallel) -> block, model:
-    `grad:*layernorm.weight`, Contract.params (fixture norm_not_sp)
+    `grad:*layernorm.weight`, Contract.params (note) (fixture norm_not_sp)
  2. attention and the MLP all-gather their Shard(1) input to Replicate first (PrepareModuleInput) ->
     Contract.counts forward {all_gather: 2 per layer}, `y`; and hand the projections a DTensor, so backward
     reduce-scatters -> Contract.counts backward (fixture prepare_input_local)
  3. self_attn is called with keywords: input_kwarg_layouts / desired_input_kwarg_layouts -> every case: the
     error is named (fixture forgot_kwargs)
- 4. q/k/v_proj, gate/up_proj column-parallel -> Contract.params (local Shard(0) shapes), `grad:*`
- 5. o_proj, down_proj row-parallel, leaving with a reduce-scatter to Shard(1) -> Contract.params (Shard(1)),
+ 4. q/k/v_proj, gate/up_proj column-parallel -> `grad:*` (a weight left whole computes with NaN), Contract.params
+    (local Shard(0) shapes) (note)
+ 5. o_proj, down_proj row-parallel, leaving with a reduce-scatter to Shard(1) -> Contract.params (Shard(1)) (note),
     counts {reduce_scatter: 2 per layer}, `y` as this rank's tokens
  6. a misspelled key leaves a layer whole: the checker names it -> every case: local shapes checked before the
-    run (fixture plan_typo)
+    run, and the layer left whole computes with NaN (fixture plan_typo)
  7. embed_tokens: row-wise on the (V, C) table, replicated ids in, sequence shards out (a reduce-scatter) ->
-    model: Contract.params, counts forward {reduce_scatter: 2L + 1}
+    model: Contract.params (note), counts forward {reduce_scatter: 2L + 1}
  8. model.norm sequence-parallel -> model: `grad:model.norm.weight`
  9. lm_head column-parallel on the vocabulary, Shard(1) in, a vocab-sharded DTensor out for loss_parallel ->
     model: `logits` (this rank's vocab slice), `loss`, counts forward {all_gather: 2L + 1, all_reduce: 3}
@@ -49,14 +55,18 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 14. ... the ids with 0 -> padding: `pad_for_sp ids` (new; fixture pad_ids_nonzero)
 15. ... the labels with ignore_index (-100), so the loss and every grad equal the unpadded model's -> padding:
     `pad_for_sp labels`, `loss`, `grad:*`
-16. apply_fsdp: fully_shard on each decoder layer, then on the root -> fsdp_tp: `decoder layers wrapped by
-    fully_shard`, `root model wrapped by fully_shard (1 = yes)`, `other modules wrapped by fully_shard` (new;
-    fixture fsdp_root_only)
-17. every rank then stores 1/4 of each matrix -> fsdp_tp: Contract.params (dp x tp local shapes)
+16. apply_fsdp: fully_shard on each decoder layer, then on the root -> fsdp_tp: `reduce-scatters over the dp group
+    in all steps, from the switchboard's record` = steps x (layers + 1): FSDP2 reduce-scatters each unit's grads
+    once per step over the dp group, so one unit per decoder layer plus the root, no other (fixture
+    fsdp_root_only: 2 of 6); the unit counts the rank reports (`decoder layers wrapped by fully_shard`, `root model
+    wrapped by fully_shard (1 = yes)`, `other modules wrapped by fully_shard`): note (inside the rank, not scored)
+17. every rank then stores 1/4 of each matrix -> fsdp_tp: `param:*` from ranks handed only their FSDP chunk of their
+    TP part (the rest NaN); Contract.params (dp x tp local shapes) (note)
 18. two SGD steps give the dense model's losses and final weights -> fsdp_tp: `losses`, `param:*`
-18 rules stated; 15 checked before this issue (13, 14 and 16 were not), 18 checked now.
-Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> ctx.hand on the
-inputs, and the ids and labels handed to pad_for_sp (new).
+18 rules stated; 15 checked before this issue (13, 14 and 16 were not), 18 checked now (rule 16 by the record since
+the unit counts became notes).
+Course-wide rule (not in this lab's text): code may not write into the tensors it is given -> note (inside the rank,
+not scored): ctx.hand on the inputs, and the ids and labels handed to pad_for_sp.
 Course-wide rule: a rank holds only what its rank owns -> every case: `_own` (fixture embedding_colwise).
 """
 from __future__ import annotations
@@ -210,7 +220,8 @@ def _expected(cfg, ref, r, t):
             out[k] = v
     if cfg["kind"] == "fsdp_tp":
         out.update({FSDP_LAYERS: torch.tensor([_cfg(cfg).num_hidden_layers]), FSDP_ROOT: torch.tensor([1]),
-                    FSDP_OTHER: torch.tensor([0])})
+                    FSDP_OTHER: torch.tensor([0]),
+                    FSDP_UNITS: torch.tensor([cfg["steps"] * (_cfg(cfg).num_hidden_layers + 1)])})
     return out
 
 
@@ -236,6 +247,19 @@ def _contract(cfg, t):
                "backward": "the conjugates of the forward gathers/scatters; loss parallel's backward is local. "
                            + LOCAL_HINT}
     return Contract(counts={"forward": fwd, "backward": bwd}, params=params, why=why, unchecked=("harness",))
+
+
+FSDP_UNITS = ("reduce-scatters over the dp group in all steps, from the switchboard's record (one per fully_shard "
+              "unit per step)")
+
+
+def _fsdp_units(cfg, record: list, r: int, t: int) -> dict:
+    """FSDP2 reduce-scatters each unit's gradients once per backward, on the dp group: counted outside the rank. The
+    (dp, tp) mesh puts rank r's dp group at the places congruent to r mod tp."""
+    tp = t // cfg["dp"]
+    on_dp = [e for e in record if e.get("op") == "reduce_scatter" and len(e.get("members", [])) == cfg["dp"]
+             and all(m % tp == r % tp for m in e["members"])]
+    return {FSDP_UNITS: torch.tensor([len(on_dp)])}
 
 
 def _contract_2d(cfg, t):
@@ -266,6 +290,9 @@ HINTS = {
                   "each layer of model.model.layers), then one for the root: a root-only unit gives the same numbers "
                   "but gathers every weight of the model at once."),
     FSDP_ROOT: "apply_fsdp must end with fully_shard(model, mesh=dp_mesh) on the root (embedding, final norm, lm_head).",
+    FSDP_UNITS: ("apply_fsdp must make one fully_shard unit per decoder layer and one for the root, no other: each unit "
+                 "reduce-scatters its gradients once per step over the dp group. Fewer: units missing (a root-only "
+                 "unit gathers every weight of the model at once); more: units on single linears or norms."),
     FSDP_OTHER: "One fully_shard unit per decoder layer plus the root, and no other (not per linear or per norm).",
 }
 NORM_HINT = ("A replicated norm weight sees only this rank's tokens under SP: wrap the norm in SequenceParallel() "
@@ -302,5 +329,6 @@ for name, cfg, seed in [
                             "model": {"num_hidden_layers": 1}}, None)]:
     register(Case(name=f"week07/{name}", module=MODULE, world_sizes=(4,), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_fsdp_tp", expected=_expected, contract=_contract_2d,
+                  from_record=_fsdp_units, feedback=(FSDP_LAYERS, FSDP_ROOT, FSDP_OTHER),
                   seed=seed, hidden=seed is None, rank_inputs=_own, title="FSDP2 x TP training steps (dp=2, tp=2)",
                   hints=_hints(cfg)))

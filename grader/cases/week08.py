@@ -14,21 +14,27 @@ pre-seeded grads (Task 3), and the dense weights from_dense is handed with every
 weight exists on a rank only as the result of its all-gather (fixture dense_weights_kept: a forward GEMM with the
 kept dense weight instead of the gathered one now gives NaN).
 
+Scored: values against the trusted reference and the switchboard's record of the collectives. "note (inside the
+rank, not scored)" marks what the harness measures in the student's process: said beside the verdict, no points.
+Such notes everywhere: Contract.params (the names and shapes a rank reports; a rank keeping more than its shard is
+caught by its values, as it receives only its own part of every dense tensor, the rest NaN), ctx.hand (an input
+written into) and a replaced harness function (grader/rank/seal.py).
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
- 1. each rank stores 1/t of every weight, a block of output rows -> Contract.params `shards.i`, `dW{i}` rows
+ 1. each rank stores 1/t of every weight, a block of output rows -> `dW{i}` rows; Contract.params `shards.i` (note)
  2. start(i) gathers into one full buffer, rank r's rows in block r -> forward*, chain*: `y`
  3. a weight is whole only around its GEMM, wait(i) forgets it so the buffer dies: the most full weights alive at
-    once is 2 (the one in use, the one in flight) -> `peak_gathered_weights` (fixtures gather_all_upfront: 4,
-    no_prefetch: 1)
- 4. forward: wait for weight i, start weight i+1 BEFORE the GEMM -> `at each forward GEMM: later weights already
-    being gathered (1 = the next one)` (new: a dispatch mode sees gathers and GEMMs in order; fixture
-    prefetch_after_gemm, whose peak is still 2)
- 5. save only x for backward, never a full weight -> `full_weights_saved_for_backward` (fixture
-    keep_weight_for_backward)
+    once is 2 (the one in use, the one in flight) -> note (inside the rank, not scored): `peak_gathered_weights`
+    (fixtures gather_all_upfront: 4, no_prefetch: 1; both full marks, with the note)
+ 4. forward: wait for weight i, start weight i+1 BEFORE the GEMM -> note (inside the rank, not scored): `at each
+    forward GEMM: later weights already being gathered (1 = the next one)` (new: a dispatch mode sees gathers and
+    GEMMs in order; fixture prefetch_after_gemm, whose peak is still 2)
+ 5. save only x for backward, never a full weight -> note (inside the rank, not scored):
+    `full_weights_saved_for_backward`; a kept weight skips the backward re-gather, which rule 8's count scores
+    (fixture keep_weight_for_backward fails there)
  6. a GELU between layers, none after the last -> `y`
- 7. backward: wait for weight i (the last one cold), start weight i-1 before dX = dY W_i -> chain*: `at each
-    backward GEMM: earlier weights already being gathered (1 = the previous one)` (new; fixture
-    backward_no_prefetch, whose peak is still 2 from the forward)
+ 7. backward: wait for weight i (the last one cold), start weight i-1 before dX = dY W_i -> chain*, note (inside the
+    rank, not scored): `at each backward GEMM: earlier weights already being gathered (1 = the previous one)` (new;
+    fixture backward_no_prefetch, whose peak is still 2 from the forward)
  8. dX = dY W_i with the re-gathered weight -> chain*: `dx`, counts backward {all_gather: L}
  9. dW_i = dY^T X, summed over ranks and split by rows with one reduce-scatter -> chain*: `dW{i}`, counts backward
     {reduce_scatter: L} and no all-reduce (fixture grads_all_reduced)
@@ -42,19 +48,23 @@ are checked there too, through the same fields):
     `dW{i}`, counts backward {reduce_scatter: L}, bytes; "adds": layers 0, 2, .. start with a known .grad
     (inputs G{i}, added to the expected grads), the others with None (fixtures grad_assigned, grad_add_only;
     new in issue 23)
-13. backward of layer i: dX, then dW, then launch RS(dW_i), then finalize(i+1): at every backward dX GEMM and
-    every dW GEMM but the first layer's, exactly the later layer's reduce-scatter is launched and not yet waited
-    -> `at each backward dX GEMM: ...` and `at each backward dW GEMM, last layer first: ...` = [0, 1, ..., 1] (a
-    dispatch mode sees each reduce-scatter's launch, and a wrapper of Work.wait sees its wait, matched by the
-    Work's identity; the dW GEMM is the one that reads all of the layer's input x_i, named at its forward GEMM,
-    or a view or copy of it, and makes the whole (out_i, in_i) grad; fixtures rs_waited_at_launch: all 0,
-    rs_finalized_at_end: 0, 1, 2, 3, finalize_before_dw: 1 at dX, 0 at dW (the dW count is new in issue 23);
-    independent_overlap: a correct Task 3 written differently, full marks)
-14. finalize_grads() waits for whatever is still pending (layer 0's): no reduce-scatter left unwaited -> `weight-grad
-    reduce-scatters never waited` = 0 (and `dW0`)
+13. backward of layer i: dX, then dW, then launch RS(dW_i), then finalize(i+1): at every backward dX GEMM and every dW
+    GEMM but the first layer's, exactly the later layer's reduce-scatter is launched and not yet waited -> note
+    (inside the rank, not scored; the checker cannot score the order from outside the rank yet): `at each backward dX
+    GEMM: ...` and `at each backward dW GEMM, last layer first: ...` = [0, 1, ..., 1] (a dispatch mode sees each
+    reduce-scatter's launch, and a wrapper of Work.wait sees its wait, matched by the Work's identity; the dW GEMM is
+    the one that reads all of the layer's input x_i, named at its forward GEMM, or a view or copy of it, and makes the
+    whole (out_i, in_i) grad; fixtures, full marks with the note: rs_waited_at_launch: all 0, rs_finalized_at_end: 0,
+    1, 2, 3, finalize_before_dw: 1 at dX, 0 at dW (the dW count is new in issue 23); independent_overlap: a correct
+    Task 3 written differently, full marks)
+14. finalize_grads() waits for whatever is still pending (layer 0's): no reduce-scatter left unwaited -> `dW0` (an
+    unwaited result never reaches .grad); `weight-grad reduce-scatters never waited` = 0: note (inside the rank, not
+    scored)
 14 rules stated; 9 checked before this issue (4 and 7 were not), 11 checked after it; 14 with Task 3 (12-14 new).
+Scored now (values and the switchboard's counts and bytes per phase): 1, 2, 6, 8-12 and 14; notes (inside the rank,
+not scored): 3, 4, 5, 7 and 13.
 Course-wide rule, stated in the lab's introduction since issue 25: code may not write into the tensors it is given ->
-ctx.hand on the dense weights handed to from_dense and the micro-batch.
+note (inside the rank, not scored): ctx.hand on the dense weights handed to from_dense and the micro-batch.
 """
 from __future__ import annotations
 
@@ -67,6 +77,10 @@ from grader.rank.week08 import BWD_AHEAD, FWD_AHEAD, RS_INFLIGHT, RS_INFLIGHT_DW
 from reference import backward
 
 MODULE = "gtp_linear"
+# measured by the rank (live Python objects, the order of its launches, GEMMs and waits): feedback, never scored.
+# Scored: the values and the switchboard's record of the collectives (counts and bytes per phase)
+INSIDE = ("peak_gathered_weights", "full_weights_saved_for_backward", FWD_AHEAD, BWD_AHEAD, RS_INFLIGHT,
+          RS_INFLIGHT_DW, RS_UNWAITED)
 
 
 def _inputs(cfg, gen):
@@ -194,6 +208,7 @@ for name, cfg, seed in [
         ("chain_hidden", {"dims": [8, 16, 12, 24, 8, 12], "N": 12, "backward": True}, None)]:
     register(Case(name=f"week08/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_chain", expected=_expected, contract=_contract, seed=seed,
+                  feedback=INSIDE,
                   rank_inputs=_own,
                   hidden=seed is None, title="GTP chain " + ("forward" if not cfg["backward"] else "forward + backward"),
                   hints=HINTS))
@@ -202,6 +217,7 @@ for name, cfg, seed in [
         ("overlap_hidden", {"dims": [8, 16, 12, 24, 8, 12], "N": 12, "backward": True, "overlap": True}, None)]:
     register(Case(name=f"week08/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, run_rank="run_overlap", expected=_expected, contract=_contract, seed=seed,
+                  feedback=INSIDE,
                   rank_inputs=_own,
                   hidden=seed is None, title="GTP chain, weight-grad reduce-scatter finalised one layer later",
                   hints=OVERLAP_HINTS))

@@ -3,13 +3,17 @@
 - schedule: the student's gpipe(p, m) / one_f_one_b(p, m) are executed by tpkit.pipeline.simulate
   (every action once, no dependency violation, bubble = (p-1)/(m+p-1), 1F1B keeps min(p-s, m)
   micro-batches in flight on stage s; GPipe m).
-- pipeline: rank r of t runs stage r of the course model; loss and every stage's weight grads
-  must match the single-device model; only send/recv; stage s sends one activation per
-  micro-batch forward (s < t-1) and one input grad per micro-batch back (s > 0).
+- pipeline: rank r of t runs stage r of the course model, handed its own layers' weights (never the seed they come
+  from); loss and every stage's weight grads must match the single-device model; only send/recv; stage s sends one
+  activation per micro-batch forward (s < t-1) and one input grad per micro-batch back (s > 0), posted in the order
+  of its 1F1B schedule (the switchboard's record of its sends).
 - planner: memory_per_gpu / step_time / plan against tpkit.topology on analytic scenarios.
 - zb_h1: the student's zb_h1(p, m) executed by tpkit.pipeline.simulate with several (t_f, t_b, t_w): no idle
   time beyond (p-1)(t_f + t_b - t_w) per stage, at most p micro-batches in flight.
 
+Scored: values against the trusted reference and the switchboard's record of the collectives. "note (inside the
+rank, not scored)" marks what the harness measures in the student's process: said beside the verdict, no points.
+Such notes everywhere: ctx.hand (an input written into) and a replaced harness function (grader/rank/seal.py).
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  Task 1 (schedule):
  1. one list per stage of ("F", mb) / ("B", mb) actions -> run_schedule's type check, then simulate
@@ -23,8 +27,9 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  6. the bubble is (p-1)/(m+p-1) -> `bubble fraction`
  7. 1F1B keeps at most min(p-s, m) activations on stage s, GPipe m -> `peak activations in flight`
  Task 2 (pipeline):
- 8. one training step in the order of your one_f_one_b(p, n_micro)[rank] -> `order this stage ran its forwards and
-    backwards` (new: hooks on the stage record F(k) and B(k) as they run; fixture pipeline_gpipe_order)
+ 8. one training step in the order of your one_f_one_b(p, n_micro)[rank] -> `the order of this stage's sends`, from
+    the switchboard's record (fixture pipeline_gpipe_order: its middle stages at p=4); the order the stage's hooks saw
+    (`order this stage ran its forwards and backwards`) is measured in the rank: note (inside the rank, not scored)
  9. one activation forward and one gradient back per stage boundary and micro-batch, point to point only ->
     `bytes sent by this stage`, `collectives other than send/recv` (fixture pipeline_no_grad_back)
 10. the last stage's loss is loss_fn(out, targets[mb]) / n_micro, summed -> `loss`
@@ -58,7 +63,7 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
     (fixture zb_all_w_at_the_end)
 30 rules stated, 30 checked.
 Course-wide rule, stated in the lab's introduction since issue 25: code may not write into the tensors it is given ->
-ctx.hand on the micro-batches and targets handed to run_pipeline.
+note (inside the rank, not scored): ctx.hand on the micro-batches and targets handed to run_pipeline.
 """
 from __future__ import annotations
 
@@ -81,7 +86,6 @@ from grader.rank.week09 import (
     SPLIT,
     STUCK,
     SCHEDULE,
-    build_model,
     decode_schedule,
     encode_actions,
     loss_fn,
@@ -91,15 +95,33 @@ from grader.rank.week09 import (
 )
 from reference import planner, schedules
 from tpkit import pipeline as pl
+from tpkit.models import ForCausalLM, ModelConfig, init_weights
 
 BYTES = "bytes sent by this stage"
 OTHER = "collectives other than send/recv"
 
 
-def _pipeline_record(cfg, record: list) -> dict:
-    """What this stage sent, from the record of its collectives: bytes in sends, and anything that is not P2P."""
+SENT_ORDER = ("the order of this stage's sends, as the switchboard saw them posted (0 = an activation to the next "
+              "stage, 1 = a gradient to the previous one; -1 = none)")
+
+
+def sends_of_schedule(actions, r: int, t: int) -> list[int]:
+    """The sends a stage running `actions` posts, in its order: F(k) sends activation k on (not the last stage),
+    B(k) sends gradient k back (not the first). A stage cannot send what it has not computed, so this order is the
+    schedule's as far as messages show it (first and last stages send one kind only: their order is the
+    micro-batches')."""
+    return [0 if kind == "F" else 1 for kind, *_ in actions if (kind == "F" and r < t - 1) or (kind == "B" and r > 0)]
+
+
+def _pipeline_record(cfg, record: list, r: int, t: int) -> dict:
+    """What this stage sent, from the switchboard's record of its collectives: bytes in sends, anything that is not
+    P2P, and the order it posted its sends in (the switchboard counts a rank's posts; their peer says the kind)."""
+    sends = sorted((e for e in record if e.get("op") == "send"), key=lambda e: e.get("posted", 0))
+    kinds = [0 if e.get("peer") == r + 1 else 1 if e.get("peer") == r - 1 else 2 for e in sends]
+    n = 2 * cfg["micro_batches"]
     return {BYTES: torch.tensor(sum(e["sent"] for e in record), dtype=torch.float64),
-            OTHER: torch.tensor(float(sum(e.get("op") not in ("send", "recv") for e in record)), dtype=torch.float64)}
+            OTHER: torch.tensor(float(sum(e.get("op") not in ("send", "recv") for e in record)), dtype=torch.float64),
+            SENT_ORDER: torch.tensor(kinds + [-1] * (n - len(kinds)))}
 
 
 MODULE = "pipeline_lab"
@@ -170,6 +192,10 @@ def _pipe_inputs(cfg, gen):
             "weight_seed": torch.randint(0, 2 ** 30, (1,), generator=gen)}
 
 
+def build_model(cfg, seed):
+    return init_weights(ForCausalLM(ModelConfig(**cfg["model"])), int(seed))
+
+
 def _pipe_ref(cfg, inp):
     model = build_model(cfg, inp["weight_seed"])
     loss = loss_fn(model(inp["ids"]), inp["targets"])             # mean over all B*T tokens
@@ -192,6 +218,8 @@ def _expect_pipe(cfg, ref, r, t):
     out[OTHER] = torch.tensor(0.0, dtype=torch.float64)
     out[GRADS] = torch.cat([ref[f"grad {n}"].flatten() for n in pl.stage_param_names(model, t, r)])
     out[RUN_ORDER] = encode_actions(schedules.one_f_one_b(t, m)[r], 2 * m)
+    sends = sends_of_schedule(schedules.one_f_one_b(t, m)[r], r, t)
+    out[SENT_ORDER] = torch.tensor(sends + [-1] * (2 * m - len(sends)))
     if r < t - 1:
         out[NONE_ELSEWHERE] = torch.tensor([1])
     return out
@@ -212,14 +240,20 @@ def _pipe_hints(cfg):
                     "one forward and one backward in turn, then the remaining backwards. All forwards before any "
                     "backward is GPipe's order: the same numbers, but every stage holds all m activations instead "
                     "of min(p-s, m)."),
+        SENT_ORDER: ("Each send is posted when its tensor is ready: a stage following one_f_one_b(p, n_micro)[rank] "
+                     "sends activation k right after F(k) and gradient k right after B(k). A middle stage that sends "
+                     "every activation before any gradient ran GPipe's order (all m activations held, not "
+                     "min(p-s, m)). Post each send as soon as its action is done."),
         NONE_ELSEWHERE: "run_pipeline returns the mean loss on the last stage and None on every other stage.",
     }
 
 
 def _own_pipe(cfg, d, r, t):
-    """Stage r of t: the token ids only on the first stage, the targets only on the last (a middle stage has
-    neither: everything it computes arrives over send/recv); the model's weights come from a shared seed."""
-    own = {"weight_seed": d["weight_seed"]}
+    """Stage r of t: its own layers' weights (`w.<name in the dense model>`; never the seed they come from, which
+    would rebuild every stage), the token ids only on the first stage, the targets only on the last (a middle stage
+    has neither: everything it computes arrives over send/recv)."""
+    stage = pl.split_stage(build_model(cfg, d["weight_seed"]), t, r)
+    own = {f"w.{stage.full_name(n)}": p.detach().clone() for n, p in stage.named_parameters()}
     if r == 0:
         own["ids"] = d["ids"]
     if r == t - 1:
@@ -235,7 +269,7 @@ for name, cfg, seed in [
                                            num_key_value_heads=2), "batch": 6, "seq": 5, "micro_batches": 3}, None)]:
     register(Case(name=f"week09/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_pipe_inputs,
                   reference=_pipe_ref, run_rank="run_pipeline", expected=_expect_pipe, contract=None,
-                  rank_inputs=_own_pipe, from_record=_pipeline_record,
+                  rank_inputs=_own_pipe, from_record=_pipeline_record, feedback=(RUN_ORDER,),
                   seed=seed, hidden=seed is None, title="pipeline over send/recv", hints=_pipe_hints(cfg)))
 
 

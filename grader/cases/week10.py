@@ -9,8 +9,12 @@ dense causal attention (a masked softmax through autograd) on the full tensors, 
 - ulysses: rank r receives the contiguous block r of q, k, v, dy; all-to-alls only: forward q, k, v to head shards
   (three, or one stacked) and the output back, backward the reverse of each; bytes exact.
 - ulysses_divisibility: heads not divisible by t -> ValueError, before any collective.
-Hidden variants: sequence lengths divisible by 2t but not powers of two (24, 40), 3 heads, fresh seeds.
+Hidden variants: sequence lengths divisible by 2t but not powers of two (24, 40), 3 heads. Every case, public ones
+too, draws its seed fresh at grading.
 
+Scored: values against the trusted reference and the switchboard's record of the collectives. "note (inside the
+rank, not scored)" marks what the harness measures in the student's process: said beside the verdict, no points.
+Such notes everywhere: ctx.hand (an input written into) and a replaced harness function (grader/rank/seal.py).
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  1. block_forward returns the block's softmax output and row log-sum-exp, the diagonal block masked causally
     -> ring_forward: `y` (fixture diag_unmasked)
@@ -25,7 +29,8 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  6. forward: t-1 ring passes of the K/V (stacked, or k and v as two messages) -> bytes_sent forward (exact), and
     "all" (nothing sent in any other phase) (fixture extra_forward_pass)
  7. a rank's inputs are only its own chunks -> rank_inputs (rank r never receives another rank's K/V)
- 8. save for backward only this rank's q, k, v, output and lse -> ring_attention: `SAVED` (fixture saves_all_kv)
+ 8. save for backward only this rank's q, k, v, output and lse -> ring_attention, note (inside the rank, not scored):
+    `SAVED` (fixture saves_all_kv: full marks, with the note)
  9. backward: dq stays; dK/dV accumulate in a buffer that travels with the K/V, one pass per step, the last one
     home to the owner -> `dq`, `dk`, `dv`, bytes_sent backward = (2t-1) K/V sizes (fixture no_final_dkv_pass;
     fixture independent_separate_kv: k and v as separate isend/irecv, another exact merge: full marks)
@@ -34,7 +39,8 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
     bytes_sent each way = 4 (t-1)/t local tensors (q, k, v as three all-to-alls or one stacked: fixture
     independent_reversed_ring_fused_qkv, which also runs the ring the other way round: full marks)
 11. heads not divisible by t -> ValueError -> ulysses_divisibility (fixture no_divisibility_check)
-Course-wide rule: code may not write into the tensors it is given -> ctx.hand on q, k, v.
+Course-wide rule: code may not write into the tensors it is given -> note (inside the rank, not scored): ctx.hand on
+q, k, v.
 """
 from __future__ import annotations
 
@@ -131,7 +137,7 @@ for name, cfg, seed in [
     register(Case(name=f"week10/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_inputs,
                   reference=_reference, rank_inputs=_rank_inputs,
                   run_rank="run_ring" if cfg["variant"] == "ring" else "run_ulysses", expected=_expected,
-                  contract=_contract, seed=seed, hidden=seed is None,
+                  contract=_contract, seed=seed, hidden=seed is None, feedback=(SAVED,),
                   title="RingAttention" if cfg["variant"] == "ring" else "ulysses_attention",
                   hints=HINTS if cfg["variant"] == "ring" else U_HINTS))
 

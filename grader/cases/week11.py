@@ -12,6 +12,11 @@ ceil(C*N*k/E) per expert over ONE rank's N tokens, the assignments past it dropp
   all-reduce that sums it over ranks is not part of the layer), each rank's expert-weight grads (its slice of
   the dense grads over ALL ranks' tokens); 3 all-to-alls forward (counts, dispatch, combine), 2 backward.
 
+Scored: values against the trusted reference and the switchboard's record of the collectives. "note (inside the
+rank, not scored)" marks what the harness measures in the student's process: said beside the verdict, no points.
+Such notes everywhere: Contract.params (the names and shapes a rank reports; a rank keeping more than its shard is
+caught by its values, as it receives only its own part of every dense tensor, the rest NaN), ctx.hand (an input
+written into) and a replaced harness function (grader/rank/seal.py).
 Rules the lab's text states -> the check that enforces it (case: tensor or contract field):
  1. softmax over the E logits, top-k best first -> routing: `experts`
  2. gates renormalised over the k chosen -> routing: `gates`, `dlogits` (fixture gates_not_renormalised)
@@ -24,19 +29,20 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
  7. exchange_counts: (t, E/t), row s = what rank s sends to each of my experts, one all-to-all -> all_to_all:
     `recv_counts`, Contract.counts forward {all_to_all: 2} (fixture counts_not_exchanged)
  8. AllToAll forward: all_to_all_single with the split sizes; rows in source-rank order -> all_to_all: `y`,
-    `dispatch split sizes (ledger)`, `bytes of rows sent`
+    `dispatch split sizes (record)`, `bytes of rows sent by this rank (record)`, from the switchboard's record
  9. AllToAll backward: the reverse all-to-all (splits swapped) -> all_to_all: `dx`, Contract.counts backward
     {all_to_all: 1} (fixture backward_no_comm)
 10. use `group` in every collective -> world_sizes (2, 4) on a 4-rank job (t=2 on ranks 2 and 3)
 11. EPMoE holds `router` (E, H) and only its experts, `w1` (E/t, F, H), `w2` (E/t, H, F) -> ep_layer:
-    Contract.params, `dw1`, `dw2`; a rank receives only those (rank_inputs)
+    `dw1`, `dw2`, Contract.params (note); a rank receives only those (rank_inputs)
 12. dropped assignments never leave the rank; kept ones go to their expert's rank -> ep_layer: `dispatch split
-    sizes (ledger)`, `bytes of rows sent` (fixture drop_after_dispatch)
+    sizes (record)`, `bytes of rows sent by this rank (record)` (fixture drop_after_dispatch)
 13. y = sum of the kept gates times the experts' outputs -> ep_layer: `y`, `dx`, `drouter` (fixture gates_detached)
 14. forward: counts + dispatch + combine all-to-alls, backward: the 2 reverse ones, nothing else (the router
     grad is not all-reduced here) -> ep_layer: Contract.counts, `drouter` (fixture router_grad_allreduced)
 14 rules stated, 14 checked.
-Course-wide rule: code may not write into the tensors it is given -> every case: ctx.hand on the inputs.
+Course-wide rule: code may not write into the tensors it is given -> every case, note (inside the rank, not scored):
+ctx.hand on the inputs.
 """
 from __future__ import annotations
 
@@ -56,7 +62,7 @@ LEDGER_HINT = ("The split sizes and bytes are the record of your all-to-alls of 
                "r*E/t:(r+1)*E/t); drop before the dispatch, not after it.")
 
 
-def all_to_all_record(cfg, record: list) -> dict:
+def all_to_all_record(cfg, record: list, r: int, t: int) -> dict:
     """What this rank's all-to-alls of (rows, H) tensors moved: bytes sent per phase, the first one's splits."""
     rows = [e for e in record if e.get("op") == "all_to_all" and len(e.get("shape", [])) == 2
             and e["shape"][1] == cfg["H"]]

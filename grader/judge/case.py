@@ -27,7 +27,9 @@ class Contract:
         counted instead (week 6's plain version: counts["harness"]).
     allowed_ops: if set, no other op may occur in any phase (e.g. only send/recv).
     bytes_sent: phase (or "all") -> bytes one rank must send, within 1%.
-    params: name -> shape each rank's module must hold (its shard, not the dense weight).
+    params: name -> shape each rank's module holds (its shard, not the dense weight), as the rank reports it:
+        a note, never scored (a rank holding more than its shard is caught by its values: it receives only its
+        own part of every dense tensor, the rest NaN).
     """
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     allowed_ops: set[str] | None = None
@@ -49,7 +51,7 @@ class Case:
     expected: Callable[[dict, dict, int, int], dict]              # (cfg, ref, rank, t) -> that rank's tensors
     contract: Callable[[dict, int], Contract] | None = None
     atol: float = 1e-3
-    seed: int | None = 0                        # None: drawn fresh at grading time (hidden cases)
+    seed: int | None = 0    # for reproducible runs only (tests): grading draws every case's seed fresh (job.draw_seeds)
     hidden: bool = False
     title: str = ""
     hints: dict[str, str] = field(default_factory=dict)          # tensor name -> what a mismatch usually means
@@ -62,10 +64,15 @@ class Case:
     # a task whose answer is plain data (a schedule) is returned as data and evaluated (simulated) where the
     # student's code cannot reach the evaluator. Raises ValueError on data of the wrong type.
     evaluate: Callable[[dict, dict], dict] | None = None
-    # (cfg, the record of this rank's collectives in this item) -> tensors compared with `expected`, computed here:
+    # (cfg, the record of this rank's collectives in this item, its place r, t) -> tensors compared with `expected`,
+    # computed here:
     # what a rank communicated (all-reduce ops, split sizes, bytes) is read from the record the launcher's
     # switchboard kept outside the rank (grader/judge/attempt.py), never from what the rank says of itself
-    from_record: Callable[[dict, list], dict] | None = None
+    from_record: Callable[[dict, list, int, int], dict] | None = None
+    # names of result tensors the rank measures inside the student's process (an order of posts and GEMMs, a peak
+    # of live objects, what autograd saved): the student's code can rewrite them, so they are compared and a
+    # mismatch is said as a note, never scored. Points rest on values and the switchboard's record only.
+    feedback: tuple[str, ...] = ()
 
 
 def shard(t: torch.Tensor, r: int, n: int, dim: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ class ItemVerdict:
     max_err: float = 0.0
     comm: str = ""
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)   # seen inside the student's process: said, never scored
 
 
 def _fmt_shape(s) -> str:
@@ -131,6 +132,12 @@ def check_contract(contract: Contract, res: RankRecord, rank: int) -> list[str]:
             why = contract.why.get(phase, "")
             problems.append(f"rank {rank}: sent {got:.0f} bytes ({phase}); the ring optimum is {want:.0f}."
                             + (f" {why}" if why else ""))
+    return problems
+
+
+def check_params(contract: Contract, res: RankRecord, rank: int) -> list[str]:
+    """The shapes the rank says its module holds against its shards: notes (the rank's word about itself)."""
+    problems = []
     if contract.params is not None:
         got = {k: tuple(v) for k, v in res.params.items()}
         for name, shape in contract.params.items():
@@ -187,8 +194,6 @@ def describe_error(tb: str, rank, res: RankRecord | None = None) -> str:
         return last[len(SWITCHBOARD_VERDICT):]
     if last.startswith("grader.rank.watch.Deadlock:"):
         return last.split(":", 1)[1].strip()        # the same picture on every waiting rank: said once
-    if last.startswith("grader.rank.seal.Tampered:"):
-        return f"rank {rank}: " + last.split(":", 1)[1].strip()
     if last.startswith(("GradingError:", "grader.rank.context.GradingError:")):
         return f"rank {rank}: " + last.split(":", 1)[1].strip()
     if is_comm_error(tb):
@@ -236,7 +241,7 @@ def compare_item(case: Case, item: Item, ref: dict, group: list[int], results: d
     contract = case.contract(item.config, t) if case.contract else None
     errors = {j: res.error for j, res in results.items() if res is not None and res.error}
     own = {j for j, e in errors.items() if not is_comm_error(e)}   # the student's own exceptions
-    comm, raised, deadlock, missing, fallout, tensors = [], [], [], [], [], {}
+    comm, raised, deadlock, missing, fallout, tensors, notes = [], [], [], [], [], {}, []
     for job_rank in sorted(results):
         res = results[job_rank]
         if res is None:
@@ -257,6 +262,8 @@ def compare_item(case: Case, item: Item, ref: dict, group: list[int], results: d
             continue
         if contract is not None:   # sharding and communication first: they explain the numbers
             comm += check_contract(contract, res, r)
+            notes += check_params(contract, res, r)
+        notes += [f"rank {r}: {n}" for n in res.notes]
         want = case.expected(item.config, ref, r, t)
         got = res.tensors
         if case.evaluate is not None:      # plain data the rank returned, evaluated here
@@ -266,11 +273,13 @@ def compare_item(case: Case, item: Item, ref: dict, group: list[int], results: d
                 tensors.setdefault("", []).append(f"rank {r}: what it returned could not be evaluated ({exc}).")
                 continue
         if case.from_record is not None:
-            got = {**got, **case.from_record(item.config, res.ledger)}
+            got = {**got, **case.from_record(item.config, res.ledger, r, t)}
         for name, w in want.items():
             msg, m = compare_tensor(name, got.get(name), w, case.atol, r, case.hints.get(name, ""),
                                     NOT_YOURS if case.rank_inputs else "")
-            if msg:
+            if msg and name in case.feedback:
+                notes.append(msg)
+            elif msg:
                 tensors.setdefault(name, []).append(msg)
             elif m > v.max_err:
                 v.max_err = m
@@ -281,4 +290,5 @@ def compare_item(case: Case, item: Item, ref: dict, group: list[int], results: d
         fallout = []
     v.problems = comm + raised + deadlock[:1] + missing + fallout + [m for ms in tensors.values() for m in ms]
     v.passed = not v.problems
+    v.notes = notes
     return v

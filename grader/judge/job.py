@@ -2,7 +2,7 @@
 
     JOBDIR/inputs/rank{r}.pt         what job rank r receives per item (the case's `rank_inputs`), made here
     JOBDIR/student/*.py              the student's modules (a snapshot: the kernel or the notebook JSON)
-    JOBDIR/attemptK/spec.json        the items of launch K (case, t, seed, config, run function), timeouts
+    JOBDIR/attemptK/spec.json        the items of launch K (case, t, config, run function), timeouts; no seed
     JOBDIR/attemptK/out/rank{r}.pt   written by each rank: tensors, ledger, parameter shapes, errors
     JOBDIR/attemptK/out/rank{r}.progress   where each rank is (which item, which collective)
 Inside the sandbox JOBDIR is read-only and attemptK/out/ is the only folder a rank can write. Launch 0
@@ -41,20 +41,21 @@ class CaseVerdict:
     passed: bool
     items: list[ItemVerdict] = field(default_factory=list)
 
-    def message(self, limit: int = 6) -> str:
-        """Problems, each said once: "[t=2, 4] all ranks: ..." rather than eight copies."""
+    def _said_once(self, kind: str) -> list[str]:
+        """`kind` ("problems" or "notes") of every size, each said once: "[t=2, 4] all ranks: ..." rather than
+        eight copies."""
         groups: dict[str, list[tuple[int, str]]] = {}
         sizes: dict[int, int] = {it.t: it.t for it in self.items}
         for it in self.items:
-            for p in it.problems:
+            for p in getattr(it, kind):
                 m = re.match(r"rank (\d+)(.*)", p, re.S)
                 key, who = ("rank *" + m.group(2), m.group(1)) if m else (p, "")
                 groups.setdefault(key, []).append((it.t, who))
-        probs = []
+        said = []
         for key, hits in groups.items():
             ts = sorted({t for t, _ in hits})
             if not any(w for _, w in hits):
-                probs.append(f"[t={', '.join(map(str, ts))}] {key}")
+                said.append(f"[t={', '.join(map(str, ts))}] {key}")
                 continue
             by_t: dict[int, set] = {}
             for t, w in hits:
@@ -64,11 +65,25 @@ class CaseVerdict:
                 head_ = f"[t={', '.join(map(str, ts))}] {who[ts[0]]}"
             else:                                # "[t=2] rank 1, [t=4] rank 3: ..."
                 head_ = ", ".join(f"[t={t}] {who[t]}" for t in ts)
-            probs.append(head_ + key[len("rank *"):])
+            said.append(head_ + key[len("rank *"):])
+        return said
+
+    def message(self, limit: int = 6) -> str:
+        """The problems that failed this check, then its notes."""
+        probs = self._said_once("problems")
         head = f"{self.name}: FAILED"
         body = "\n".join(f"  - {p}".replace("\n", "\n    ") for p in probs[:limit])
         more = f"\n  ... and {len(probs) - limit} more problem(s) of the same check." if len(probs) > limit else ""
-        return f"{head}\n{body}{more}"
+        notes = self.notes(limit)
+        return f"{head}\n{body}{more}" + (f"\n{notes}" if notes else "")
+
+    def notes(self, limit: int = 6) -> str:
+        """What the harness saw inside the student's process (the rank's own word): feedback that scores nothing."""
+        said = self._said_once("notes")
+        if not said:
+            return ""
+        lines = "\n".join(f"  - {n}".replace("\n", "\n    ") for n in said[:limit])
+        return f"{self.name}: note (seen inside your process, not scored):\n{lines}"
 
 
 @dataclass
@@ -106,11 +121,13 @@ class Report:
         return f"({backend}, {launcher} launcher, {self.seconds:.1f} s)"
 
     def cell_verdict(self, names: list[str]) -> tuple[bool, str]:
-        """One grade cell's checks: (passed, its table) or (failed, each failed check's message)."""
-        failed = [self.cases[n] for n in names if n in self.cases and not self.cases[n].passed]
-        if failed:
-            return False, "\n".join(c.message() for c in failed)
-        return True, self.table(names, footer=False)
+        """One grade cell's checks: (passed, its table) or (failed, each failed check's message); then the notes
+        of its passed checks."""
+        cases = [self.cases[n] for n in names if n in self.cases]
+        failed = [c for c in cases if not c.passed]
+        notes = [c.notes() for c in cases if c.passed and c.notes()]
+        text = "\n".join(c.message() for c in failed) if failed else self.table(names, footer=False)
+        return not failed, "\n".join([text] + notes)
 
 
 def rank_views(items: list[Item], inputs: dict) -> list[dict]:
@@ -134,16 +151,26 @@ def runnable_sizes(world_sizes, max_ranks: int | None) -> tuple[int, ...]:
     return tuple(t for t in world_sizes if max_ranks is None or t <= max_ranks) or tuple(world_sizes)
 
 
-def plan_items(names: list[str], fresh_seed: bool = True) -> list[Item]:
+def plan_items(names: list[str]) -> list[Item]:
     max_ranks = int(os.environ[MAX_RANKS_ENV]) if os.environ.get(MAX_RANKS_ENV) else None
     items = []
     for name in names:
         case = get_case(name)
-        seed = case.seed if case.seed is not None else (secrets.randbits(31) if fresh_seed else 12345)
-        items += [Item(id=f"{name}@t{t}", case=name, module=case.module, run_rank=case.run_rank, t=t, seed=seed,
+        items += [Item(id=f"{name}@t{t}", case=name, module=case.module, run_rank=case.run_rank, t=t,
                        config=case.config, timeout=case.timeout or ITEM_TIMEOUT)
                   for t in runnable_sizes(case.world_sizes, max_ranks)]
     return items
+
+
+def draw_seeds(items: list[Item], fresh_seed: bool = True) -> dict[str, int]:
+    """Each item's input seed, kept in this process. Graded: drawn fresh for every case, public ones too (a public
+    case's fixed seed is a key its student could hard-code); `fresh_seed=False` (tests): the case's own seed.
+    32 bits: torch's CPU generator keeps only the low 32 bits of a seed, so more would only look stronger."""
+    by_case: dict[str, int] = {}       # one draw per case: its sizes see the same tensors
+    for it in items:
+        seed = get_case(it.case).seed
+        by_case.setdefault(it.case, secrets.randbits(32) if fresh_seed else 12345 if seed is None else seed)
+    return {it.id: by_case[it.case] for it in items}
 
 
 # c10d's own socket warnings: noise in a student's "last output"
@@ -243,7 +270,7 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
     jobdir = first.jobdir if first is not None else tempfile.mkdtemp(prefix="grader-job-")
     runs, boxes = [], []
     try:
-        items = plan_items(names, fresh_seed)
+        items = plan_items(names)
         mode = sandbox or os.environ.get("GRADER_SANDBOX", "auto")
         backend = pick_backend(world_of(items), backend)
         launcher = default_launcher(backend, launcher, interactive=interactive and mode == "off")
@@ -251,7 +278,7 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
                                   or interactive):
             first.cancel()
             first = None
-        inputs = _prepare(jobdir, items, sources)
+        inputs = _prepare(jobdir, items, draw_seeds(items, fresh_seed), sources)
         refs = None
         together = graded_together or []
         verdicts: dict[str, ItemVerdict] = {}
@@ -283,7 +310,7 @@ def run_checks(names: list[str], sources: dict[str, str], *, backend: str | None
         shutil.rmtree(jobdir, ignore_errors=True)
 
 
-def _prepare(jobdir: str, items: list[Item], sources: dict[str, str]) -> dict:
+def _prepare(jobdir: str, items: list[Item], seeds: dict[str, int], sources: dict[str, str]) -> dict:
     """The job folder's student modules and each rank's own inputs; returns the full inputs (kept here)."""
     os.makedirs(os.path.join(jobdir, "student"))
     for fname, text in sources.items():
@@ -291,7 +318,7 @@ def _prepare(jobdir: str, items: list[Item], sources: dict[str, str]) -> dict:
             f.write(text)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        inputs = {it.id: get_case(it.case).make_inputs(it.config, torch.Generator().manual_seed(it.seed))
+        inputs = {it.id: get_case(it.case).make_inputs(it.config, torch.Generator().manual_seed(seeds[it.id]))
                   for it in items}
     os.makedirs(os.path.join(jobdir, "inputs"), mode=0o700)   # the grader's: see Attempt.own_inputs
     for j, own in enumerate(rank_views(items, inputs)):

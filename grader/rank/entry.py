@@ -205,13 +205,14 @@ class RankJob:
             with ledger:
                 out = self.runners[item.id](self.modules[item.module], item.config, inputs, ctx)
             ctx.check_handed()
-            self.seal.check()
+            try:
+                self.seal.check()
+            except Tampered as exc:     # the harness's rank-side code is not what grades: feedback
+                ctx.note(str(exc))
             record.tensors = {k: (v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else None)
                               for k, v in out.items()}
         except Deadlock as exc:       # the harness's own verdicts: no student frames to show
             record.error = f"grader.rank.watch.Deadlock: {exc}"
-        except Tampered as exc:
-            record.error = f"grader.rank.seal.Tampered: {exc}"
         except BaseException as exc:  # SystemExit from student code too: it must not skip the report
             record.error = user_traceback(exc, self.student_dir)
         finally:
@@ -219,6 +220,7 @@ class RankJob:
             if self.watch is not None:
                 self.watch.end()
         record.seconds, record.params, record.ledger = time.perf_counter() - t0, ctx.params, ledger.entries
+        record.notes = list(ctx.notes)
         self.save(item, record)
         return bool(record.error)
 

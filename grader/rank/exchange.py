@@ -19,13 +19,13 @@ DTENSOR_TABLE = "COURSE_DTENSOR_TABLE"   # the launcher's DTensor sharding table
 
 @dataclass(frozen=True)
 class Item:
-    """One case at one tensor-parallel size t: what every rank of the job runs, in spec order."""
+    """One case at one tensor-parallel size t: what every rank of the job runs, in spec order. No seed: the
+    inputs' seed stays in the trusted process (a rank holding it could rebuild every other rank's data)."""
     id: str                 # "week02/mlp@t2"
     case: str               # "week02/mlp"
     module: str             # the student's module the case imports
     run_rank: str           # the function in grader/rank/<week>.py
     t: int
-    seed: int
     config: dict
     timeout: int            # seconds one rank may spend in this item (SIGALRM)
 
@@ -80,13 +80,15 @@ _SCALAR = (str, int, float, bool, type(None))
 @dataclass
 class RankRecord:
     """What one rank reports for one item. Which group it ran in is not its to say: the trusted side knows
-    (participants)."""
+    (participants). Only `tensors` (values the rank could compute only by doing the task) and `error` can cost
+    points; `params` and `notes` are the rank's word about itself, shown as feedback."""
     tensors: dict = field(default_factory=dict)     # name -> tensor or None, for the trusted compare
     params: dict = field(default_factory=dict)      # parameter name -> shape this rank's module holds
     ledger: list = field(default_factory=list)      # the in-process record of collectives (teaching evidence)
     error: str = ""                        # a traceback, or the harness's own verdict
     seconds: float = 0.0
     skipped: str = ""                      # a failed check scored with this one: not run
+    notes: list = field(default_factory=list)   # what the harness saw inside the rank: feedback, never points
 
     def to_saved(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -98,7 +100,7 @@ class RankRecord:
         if not isinstance(rec, dict):
             raise ValueError(f"a {type(rec).__name__}, not a record")
         kinds = {"tensors": dict, "params": dict, "ledger": list, "error": str, "skipped": str,
-                 "seconds": (int, float)}
+                 "seconds": (int, float), "notes": list}
         for key, val in rec.items():
             if key not in kinds:
                 raise ValueError(f"an unknown field `{key}`")
@@ -114,6 +116,8 @@ class RankRecord:
                 isinstance(v, list) and all(isinstance(x, _SCALAR) for x in v))) for k, v in e.items())
                    for e in rec.get("ledger", [])):
             raise ValueError("`ledger` holds something other than plain records")
+        if not all(isinstance(n, str) for n in rec.get("notes", [])):
+            raise ValueError("`notes` holds something other than strings")
         return cls(**rec)
 
 

@@ -1,11 +1,12 @@
-"""What a rank measures with must be what the course wrote: a seal over the harness's code objects.
+"""What a rank measures with should be what the course wrote: a seal over the harness's code objects.
 
 The ledger, the gathered-weight watch, the deadlock watch, the rank context and torch.distributed's
 functions all run in the student's process, so a student's module could replace them at import time
 (e.g. a monitor that always reports the allowed peak). `Seal` records the identity of every function and
 class attribute of those modules before any student code is imported; `broken()` names what was
-replaced since. The rank entry checks after the import and after every item, and a broken seal is graded
-as tampering.
+replaced since. Nothing measured in a rank carries points (grader/judge/compare.py: only values and the
+switchboard's record do), so a broken seal is a note beside the verdict: the rank-side feedback of that
+check (overlap order, peaks, what was saved) cannot be believed.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ SEALED = MEASURING + ("tpkit.dtensor", "grader.rank.context", "grader.rank.watch
                       "torch.distributed.distributed_c10d", "torch.utils._python_dispatch")
 
 
-class Tampered(BaseException):
-    """A BaseException, so that student code's `except Exception` cannot swallow it."""
+class Tampered(Exception):
+    """The harness's code was replaced: its message becomes a note."""
 
 
 def _callables(prefix: str, namespace: dict) -> dict[str, int]:
@@ -72,4 +73,5 @@ class Seal:
         if changed:
             raise Tampered(f"your code replaced {', '.join(changed[:3])}"
                            + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-                           + ": what the grader measures with may not be edited, so this check scores 0.")
+                           + ": the feedback measured inside your process (order, peaks, what was saved) "
+                           "cannot be believed for this check.")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from grader.rank.context import GradingError
 from tpkit.models import DecoderLayer, ForCausalLM, ModelConfig, init_weights
 
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -56,8 +55,9 @@ def snapshot(module: torch.nn.Module) -> dict:
                         for n, t in [*module.named_parameters(), *module.named_buffers()]}}
 
 
-def check_untouched(module: torch.nn.Module, before: dict, name: str, after_backward: bool = False):
-    """GradingError naming what from_dense (or the model it built) changed in the caller's `module`."""
+def check_untouched(ctx, module: torch.nn.Module, before: dict, name: str, after_backward: bool = False):
+    """A note naming what from_dense (or the model it built) changed in the caller's `module` (seen inside the rank:
+    feedback; a change that matters shows in the values)."""
     now = snapshot(module)
     what = []
     for n in sorted(set(before["modules"]) | set(now["modules"]), key=lambda n: (len(n), n)):
@@ -80,9 +80,9 @@ def check_untouched(module: torch.nn.Module, before: dict, name: str, after_back
     what += [f"`{n}` is new" for n in now["tensors"] if n not in before["tensors"]]
     if what:
         shown = "; ".join(what[:4]) + (f" (and {len(what) - 4} more)" if len(what) > 4 else "")
-        raise GradingError(f"from_dense changed the {name} it was given: {shown}. It must leave that module as it "
-                           "was (the caller still uses it, as the lab's demo cell does): copy what you keep "
-                           "(copy.deepcopy, or clone each tensor), shard and hook your copy, never the original.")
+        ctx.note(f"from_dense changed the {name} it was given: {shown}. It must leave that module as it was (the "
+                 "caller still uses it, as the lab's demo cell does): copy what you keep (copy.deepcopy, or clone "
+                 "each tensor), shard and hook your copy, never the original.")
 
 
 def run_sequence_ops(mod, cfg, inp, ctx):
@@ -102,7 +102,7 @@ def run_block(mod, cfg, inp, ctx):
     ctx.hand_module("dense", dense)
     before = snapshot(dense)
     layer = mod.SPDecoderLayer.from_dense(dense, group=ctx.group)
-    check_untouched(dense, before, "DecoderLayer")
+    check_untouched(ctx, dense, before, "DecoderLayer")
     ctx.record_params(layer)
     out = {}
     if cfg.get("uneven"):
@@ -116,7 +116,7 @@ def run_block(mod, cfg, inp, ctx):
     y = layer(x)
     ctx.phase("backward")
     y.backward(dy)
-    check_untouched(dense, before, "DecoderLayer", after_backward=True)
+    check_untouched(ctx, dense, before, "DecoderLayer", after_backward=True)
     params = dict(layer.named_parameters())
     out.update({"y": y, "dx": x.grad})
     for name in COLUMN + ROW + NORMS:
@@ -153,14 +153,14 @@ def run_model(mod, cfg, inp, ctx):
     ctx.hand_module("dense", dense)
     before = snapshot(dense)
     model = mod.SPCausalLM.from_dense(dense, group=ctx.group)
-    check_untouched(dense, before, "ForCausalLM")
+    check_untouched(ctx, dense, before, "ForCausalLM")
     ctx.record_params(model)
     ids = ctx.hand("input_ids", inp["ids"].clone())
     ctx.phase("forward")
     logits = model(ids)
     ctx.phase("backward")
     ctx.backward(logits, inp["dy"], "logits")
-    check_untouched(dense, before, "ForCausalLM", after_backward=True)
+    check_untouched(ctx, dense, before, "ForCausalLM", after_backward=True)
     params = dict(model.named_parameters())
     out = {"logits": logits}
     for n, _ in dense.named_parameters():

@@ -15,7 +15,7 @@ import torch
 
 from tpkit import pipeline as pl
 from tpkit import topology as topo
-from tpkit.models import ForCausalLM, ModelConfig, init_weights
+from tpkit.models import ForCausalLM, ModelConfig
 
 # tensor names say what they hold: integer mismatches are reported without the hint text
 STUCK = "stuck at (stage, position); -1 = never stuck"
@@ -91,17 +91,22 @@ def run_schedule(mod, cfg, inp, ctx):
 
 
 # -- task 2: a pipeline over send/recv ---------------------------------------------
-def build_model(cfg, seed):
-    return init_weights(ForCausalLM(ModelConfig(**cfg["model"])), int(seed))
-
-
 def loss_fn(logits, target):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())   # (b*T, V) vs (b*T,)
 
 
+def own_stage(cfg, inp, p, s):
+    """Stage s of p holding the weights this rank is handed (`w.<name in the dense model>`), nothing else."""
+    stage = pl.split_stage(ForCausalLM(ModelConfig(**cfg["model"])), p, s)
+    with torch.no_grad():
+        for n, prm in stage.named_parameters():
+            prm.copy_(inp[f"w.{stage.full_name(n)}"])
+    return stage
+
+
 def run_pipeline(mod, cfg, inp, ctx):
     s, p, m = ctx.rank, ctx.world_size, cfg["micro_batches"]
-    stage = pl.split_stage(build_model(cfg, inp["weight_seed"]), p, s)
+    stage = own_stage(cfg, inp, p, s)
     mbs = [ctx.hand(f"micro_batches[{i}]", c) for i, c in enumerate(inp["ids"].chunk(m))] if s == 0 else None
     tgts = [ctx.hand(f"targets[{i}]", c) for i, c in enumerate(inp["targets"].chunk(m))] if s == p - 1 else None
     act_shape = (cfg["batch"] // m, cfg["seq"], cfg["model"]["hidden_size"])

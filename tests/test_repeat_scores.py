@@ -1,0 +1,14 @@
+"""The same notebook gets the same score: `python -m grader repeat-scores` on one week, a few runs."""
+from grader.tools import repeat_scores
+
+
+def test_correct_submissions_are_the_solution_and_every_all_pass_fixture():
+    subs = dict(repeat_scores.correct_submissions("week08"))
+    assert "solution" in subs and "gather_all_upfront" in subs      # its only fault is seen inside the rank
+    assert "grads_all_reduced" not in subs                          # its record breaks the contract: scored
+
+
+def test_week01_scores_do_not_change_between_runs(capsys):
+    assert repeat_scores.main(runs=2, only=["week01"]) == 0
+    out = capsys.readouterr().out
+    assert "week01/solution" in out and "CHANGED" not in out and "every score the same and full" in out
