@@ -8,7 +8,8 @@ from grader.judge.compare import check_contract, check_params, compare_tensor, d
 from grader.rank.exchange import Item, RankRecord
 from grader.judge.timeouts import EXECUTE_TIMEOUT, KILL_GRACE, PG_TIMEOUT, job_wall_clock
 from tpkit.ledger import CommLedger, ring_bytes_sent
-from grader.autograde.notebook import check_names, grade_cells, module_sources
+from grader.autograde.notebook import check_names, grade_cells
+from grader.judge.sources import module_sources
 
 
 def test_ring_bytes_formulas():

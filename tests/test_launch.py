@@ -163,7 +163,7 @@ def test_magic_streams_and_raises(tmp_path):
 def test_every_launcher_gives_the_same_verdict():
     """warm, fork and torchrun run the same ranks: identical tensors, identical ledgers."""
     from grader.judge.job import run_checks
-    from grader.autograde.notebook import module_sources
+    from grader.judge.sources import module_sources
     from grader.tools.corpus import build
     src = module_sources(build("week02", {"base": "solution"}))
     tables = {}

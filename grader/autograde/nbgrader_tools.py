@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 
-from grader.autograde.notebook import module_sources
+from grader.judge.sources import module_sources
 
 from grader import ROOT
 

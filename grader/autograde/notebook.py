@@ -6,39 +6,15 @@ so whatever the kernel did (patching torch, redefining `check`) cannot reach the
 from __future__ import annotations
 
 import ast
+import glob
+import json
+import os
 import re
 import shutil
 import warnings
 
-_WRITEFILE = re.compile(r"^%%writefile(\s+-a|\s+--append)?\s+(\S+)\s*\n?")
-
-
-def cell_source(cell) -> str:
-    src = cell.get("source", "")
-    return "".join(src) if isinstance(src, list) else src
-
-
-def writefile_cells(nb):
-    """(cell, the %%writefile match, its source) of each code cell that writes a module, in notebook order."""
-    for cell in nb.get("cells", []):
-        if cell.get("cell_type") != "code":
-            continue
-        src = cell_source(cell).lstrip("\n")
-        m = _WRITEFILE.match(src)
-        if m:
-            yield cell, m, src
-
-
-def module_sources(nb) -> dict[str, str]:
-    """{filename: text} as the %%writefile cells would leave the folder, in notebook order."""
-    files: dict[str, str] = {}
-    for _, m, src in writefile_cells(nb):
-        body = src[m.end():]
-        if body and not body.endswith("\n"):
-            body += "\n"   # %%writefile writes the cell plus a newline
-        name = m.group(2).split("/")[-1]
-        files[name] = (files.get(name, "") + body) if m.group(1) else body
-    return files
+from grader import ROOT
+from grader.judge.sources import cell_source, module_sources
 
 
 def check_names(source: str) -> list[str]:
@@ -66,12 +42,84 @@ def grade_cells(nb) -> list[tuple[int, dict, list[str], float]]:
     return out
 
 
-def check_names_in(nb) -> list[str]:
-    """Every check the grade cells of `nb` call, once each, in notebook order."""
+def check_names_of(cells) -> list[str]:
+    """Every check the grade cells `cells` (as `grade_cells` lists them) call, once each, in their order."""
     names: list[str] = []
-    for _, _, ns, _ in grade_cells(nb):
+    for _, _, ns, _ in cells:
         names += [n for n in ns if n not in names]
     return names
+
+
+def released_grade_cells(nb, name: str = "") -> tuple[list, list[str]]:
+    """The grade cells `nbgrader autograde` would grade in `nb` (as `grade_cells` lists them), and a plain note for
+    each one graded otherwise than the student's copy shows it.
+
+    autograde restores every locked grade cell from the release before it grades (nbgrader's OverwriteCells, missing
+    cells included). Here the release is this course's own labs/ (beside this grader, never a path the notebook
+    names): the lab that shares most of the notebook's nbgrader cell ids (`name`, the notebook's file name, breaks a
+    tie). Each of its grade cells is graded with its released checks and points. The student's copy of a cell stands
+    when its source is the release's or the nbgrader source's (solutions/, hidden tests included)."""
+    release = _release_of(nb, name)
+    if release is None:
+        return grade_cells(nb), ["this notebook is not one of the course's labs (no released lab has its grade "
+                                 "cells): its own grade cells are graded"]
+    path, released = release
+    source = _cells_by_id(_read(os.path.join(ROOT, "solutions", os.path.basename(os.path.dirname(path)),
+                                             os.path.basename(path))))
+    mine = {gid: (i, cell) for i, cell in enumerate(nb.get("cells", [])) if (gid := grade_id(cell))}
+    cells, notes = [], []
+    for _, cell, names, points in grade_cells(released):
+        gid = grade_id(cell)
+        i, own = mine.pop(gid, (None, None))
+        if own is None:
+            notes.append(f"grade cell `{gid}` is missing; the released cell is graded")
+        elif _same(own, cell) or _same(own, source.get(gid)):
+            cell, names = own, check_names(cell_source(own))
+        else:
+            notes.append(f"grade cell `{gid}` was edited; the released cell is graded")
+        cells.append((i, cell, names, points))
+    notes += [f"cell `{grade_id(cell)}` is not a grade cell of the released lab: it is not graded"
+              for _, cell, _, _ in grade_cells(nb) if grade_id(cell) in mine]
+    return cells, notes
+
+
+def grade_id(cell) -> str | None:
+    """The nbgrader cell id of `cell` (a student's JSON may hold anything there)."""
+    meta = cell.get("metadata") if isinstance(cell, dict) else None
+    nbg = meta.get("nbgrader") if isinstance(meta, dict) else None
+    return nbg.get("grade_id") if isinstance(nbg, dict) else None
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            nb = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return nb if isinstance(nb, dict) else {}
+
+
+def _cells_by_id(nb) -> dict:
+    return {gid: cell for cell in nb.get("cells", []) if (gid := grade_id(cell))}
+
+
+def _release_of(nb, name: str) -> tuple[str, dict] | None:
+    """(path, notebook) of the released lab `nb` is a copy of, or None: it shares no nbgrader cell with any."""
+    ids = set(_cells_by_id(nb))
+    best = None
+    for path in sorted(glob.glob(os.path.join(ROOT, "labs", "week*", "*.ipynb"))):
+        released = _read(path)
+        key = (len(ids & set(_cells_by_id(released))), os.path.basename(path) == name)
+        if key[0] and (best is None or key > best[0]):
+            best = key, path, released
+    return best[1:] if best else None
+
+
+def _same(cell, released) -> bool:
+    """The same source, as nbgrader's checksum of a locked cell sees it (line endings and outer blanks aside)."""
+    def text(c):
+        return cell_source(c).replace("\r\n", "\n").strip()
+    return released is not None and text(cell) == text(released)
 
 
 def give_up(first):
@@ -80,12 +128,13 @@ def give_up(first):
     shutil.rmtree(first.jobdir, ignore_errors=True)
 
 
-def run_trusted(nb, log=None, first=None):
-    """Run all grade-cell checks of `nb` outside the kernel; returns (cells, report or exception).
-    first: the job's first attempt, already held (`hold_first_attempt(check_names_in(nb))`); held here otherwise."""
+def run_trusted(nb, log=None, first=None, cells=None):
+    """Run the grade-cell checks of `nb` outside the kernel; returns (cells, report or exception).
+    cells: the grade cells to grade (default: `nb`'s own, which nbgrader has restored from the release);
+    first: the job's first attempt, already held (`hold_first_attempt(check_names_of(cells))`); held here otherwise."""
     from grader.judge.attempt import hold_first_attempt
-    cells = grade_cells(nb)
-    names = check_names_in(nb)
+    cells = grade_cells(nb) if cells is None else cells
+    names = check_names_of(cells)
     if not names:
         if first is not None:
             give_up(first)

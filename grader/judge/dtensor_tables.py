@@ -153,7 +153,7 @@ def solution_modules(week: str, folder: str) -> dict:
     """The lab solution's modules of `week`, written into `folder` and imported from there."""
     import nbformat
 
-    from grader.autograde.notebook import module_sources
+    from grader.judge.sources import module_sources
     from grader.rank.entry import import_by_path
     for name, text in module_sources(nbformat.read(_solution(week), as_version=4)).items():
         with open(os.path.join(folder, name), "w") as f:

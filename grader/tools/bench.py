@@ -34,7 +34,7 @@ PAUSE_S = 6.0       # between warm checks: the server's next held launcher has i
 
 def _sources(kind: str = "solution") -> dict[str, str]:
     from grader.tools.demo import submission
-    from grader.autograde.notebook import module_sources
+    from grader.judge.sources import module_sources
     return module_sources(submission(kind))
 
 

@@ -25,7 +25,7 @@ import re
 import nbformat
 
 from grader import ROOT
-from grader.autograde.notebook import cell_source, module_sources, writefile_cells
+from grader.judge.sources import cell_source, module_sources, writefile_cells
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 # a private file of the grading user's, as an instructor's token would be: no student code may read it
