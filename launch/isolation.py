@@ -7,7 +7,8 @@ before it drops to the rank's own uid (`launch.forkrun.drop_privileges`):
 - a new network namespace (not even a loopback: the switchboard's socket is inherited), IPC namespace
   (System V and POSIX message queues) and mount namespace;
 - in that mount namespace: a fresh /tmp and /dev/shm, /proc showing only the rank's own processes
-  (hidepid=2), and the rank's own folder `out/rank{r}` mounted over `out/`, its only writable place;
+  (hidepid=2), and the rank's own folder `out/rank{r}` mounted over `out/`, its only writable place (a
+  size-capped tmpfs the grader mounted there: `capped_tmpfs`);
 - a pid namespace of its own (`own_pid_namespace`): no peer's pid, process count or load is visible;
 - a uid of its own (`rank_uid`), so no rank can signal, trace or read another;
 - a new devpts instance (a pty is not shared), and a seccomp filter refusing what would still reach a peer
@@ -24,7 +25,8 @@ import signal
 import struct
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID = 0x00020000, 0x08000000, 0x40000000, 0x20000000
-MS_BIND, MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 0x1000, 0x4000, 0x40000, 0x2, 0x4
+MS_BIND, MS_REC, MS_PRIVATE, MS_SHARED, MS_NOSUID, MS_NODEV = 0x1000, 0x4000, 0x40000, 0x100000, 0x2, 0x4
+MNT_DETACH = 2
 TMP_BYTES = 64 << 20
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -43,6 +45,28 @@ def _check(ret: int, what: str):
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None):
     _check(_libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(), ctypes.c_ulong(flags),
                        data and data.encode()), f"mount {target}")
+
+
+def capped_tmpfs(path: str, size: int, files: int, mode: int):
+    """A tmpfs of `size` bytes and `files` inodes over `path` (the grader, as root, over a rank's out/): a write past
+    it fails with ENOSPC inside the writer, and the disk never sees it."""
+    _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes={files},mode={mode:o}")
+
+
+def share(path: str):
+    """Make `path` a shared mount point: what is mounted below it later reaches a box already bound to it (a box's
+    binds are its slaves), as a rank's capped out/ must reach a launcher started before the job's size was known."""
+    _mount(path, path, None, MS_BIND)
+    try:
+        _mount(None, path, None, MS_SHARED)
+    except IsolationUnavailable:
+        unmount(path)
+        raise
+
+
+def unmount(path: str):
+    """Detach what is mounted at `path` (its files go with a tmpfs)."""
+    _check(_libc.umount2(path.encode(), MNT_DETACH), f"umount {path}")
 
 
 def rank_uid(base: int, rank: int) -> int:

@@ -16,6 +16,11 @@ Deadlocks: a rank that waits on a collective says so. When no live rank is runni
 the item, or is gone) and one of them waits, no wait can ever complete: every waiting rank gets `Deadlock`
 with the picture of who waits where, at once, with no timeout, and the item is marked deadlocked.
 
+Nothing a rank sends is trusted: each frame's sizes are checked as they arrive (`launch.wire`), each header field's
+type and range before it is used. A frame that breaks a rule, or whose handling fails in any way, closes that rank's
+link with a "protocol" event naming the rule (the rank's verdict); the other ranks are served on. What the switchboard
+holds for a rank is bounded however it floods (MAX_IN_FLIGHT, MAX_HELD, MAX_BACKLOG, MAX_RESULTS).
+
 Files written under `record_dir` (a folder no rank can see): `comm.json` (per item: each rank's entries
 and the item's events) and `rank{r}/{i}.pt` (the result rank r handed over for item i).
 """
@@ -23,16 +28,72 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 from collections import deque
 
 import torch
 
 from launch.collectives import P2P, disagreement, nbytes, outcome
-from launch.wire import BadFrame, FrameReader, encode
+from launch.wire import MAX_PAYLOAD, MAX_TENSORS, BadFrame, FrameReader, encode, shape_error
 from tpkit.ledger import ring_bytes_sent
 
 MAX_PHASE = 40
+SMALL = 1 << 31            # a seq, an item index, a tag, a peer, a row count: the course's ranks send nothing larger
+MAX_NAME = 256             # characters of an op's or a group's name
+REDUCE_OPS = ("sum", "avg", "product", "min", "max")
+# what the launcher holds for one rank, however it floods (besides the one frame it is reading, wire.MAX_PAYLOAD):
+# its collectives posted and not answered yet, whose tensors wait for the peers' (an all-gather's answers are t times
+# as many bytes); the answers it has not read (past this, its socket is not read until it reads them); the results it
+# hands over in one launch (written to the grader's disk and read back). A lab's are kilobytes.
+MAX_IN_FLIGHT, MAX_HELD = 1024, 64 << 20
+MAX_BACKLOG = 16 << 20
+MAX_RESULTS = 64 << 20
+
+
+class Refused(ValueError):
+    """What a rank sent that the switchboard will not carry out: its link is closed, and its verdict for the item
+    says why. The text completes "rank 1 ..."."""
+
+
+def malformed(why: str) -> Refused:
+    return Refused(f"sent a malformed message: {why} (only torch.distributed's own calls may write to a rank's link "
+                   "to the switchboard)")
+
+
+def _int(header: dict, key: str, lo: int = 0, default=None) -> int:
+    value = header.get(key, default)
+    if type(value) is not int or not lo <= value < SMALL:      # type(): a bool is an int to isinstance
+        raise malformed(f"`{key}` is not a small integer")
+    return value
+
+
+def _name(header: dict, key: str) -> str:
+    value = header.get(key)
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME:
+        raise malformed(f"`{key}` is not a name of at most {MAX_NAME} characters")
+    return value
+
+
+def _check_fields(header: dict, t: int):
+    """The optional fields of a post the collectives read (`launch.collectives`), each of its type and range."""
+    for key in ("peer", "tag", "root"):
+        if key in header:
+            _int(header, key, lo=-SMALL)
+    if "reduce" in header and header["reduce"] not in REDUCE_OPS:
+        raise malformed(f"`reduce` is not one of {', '.join(REDUCE_OPS)}")
+    if "even" in header and type(header["even"]) is not bool:
+        raise malformed("`even` is not true or false")
+    rows = header.get("out_rows", [])
+    if not isinstance(rows, list) or len(rows) > t or not all(type(n) is int and 0 <= n < SMALL for n in rows):
+        raise malformed("`out_rows` is not a list of row counts, one per rank of the group")
+    want = header.get("want", [])
+    if not isinstance(want, list) or len(want) > MAX_TENSORS:
+        raise malformed(f"`want` is not a list of at most {MAX_TENSORS} shapes")
+    for shape in want:
+        why = shape_error(shape)
+        if why or math.prod(shape) > MAX_PAYLOAD:     # no frame carries more elements than bytes
+            raise malformed(f"`want` holds a shape that is not a list of sizes ({why or 'too many elements'})")
 
 
 def deadlock_message(states: list[tuple]) -> str:
@@ -52,15 +113,27 @@ def deadlock_message(states: list[tuple]) -> str:
 class Post:
     """One collective a rank posted: its header (op, group, the phase the rank names) and its tensors."""
 
-    def __init__(self, rank: int, header: dict, tensors: list):
+    def __init__(self, rank: int, header: dict, tensors: list, world: int):
+        """Every field is checked before anything reads it (Refused names the first that is wrong); `world`: the
+        job's ranks."""
         self.rank, self.header, self.tensors = rank, header, tensors
-        self.seq, self.op = header["seq"], header["op"]
-        self.ranks = [int(x) for x in header["ranks"]]     # the group's job ranks
+        self.seq, self.op = _int(header, "seq"), _name(header, "op")
+        _name(header, "group")
+        ranks = header.get("ranks")
+        if not isinstance(ranks, list) or not ranks or len(set(ranks)) != len(ranks) or \
+                not all(type(x) is int and 0 <= x < world for x in ranks):
+            raise malformed(f"`ranks` is not a list of distinct ranks of this job (0 to {world - 1})")
+        self.ranks = ranks                                 # the group's job ranks
+        _check_fields(header, len(ranks))
+        if self.op == "all_gather" and len(tensors) != 1:
+            raise malformed(f"an all_gather carries one tensor, not {len(tensors)}")
         phase = header.get("phase")
         self.phase = phase[:MAX_PHASE] if isinstance(phase, str) else "?"
-        peer = int(header.get("peer", -1))
+        peer = header.get("peer", -1)
         self.peer = self.ranks[peer] if self.op in P2P and 0 <= peer < len(self.ranks) else -1
+        self.nbytes = sum(nbytes(x) for x in tensors)      # what the switchboard holds until the post is answered
         self.label = ""          # "all_reduce #2 (forward)", once numbered
+        self.order = 0           # its place in the rank's posts of this item, counted by the switchboard
 
 
 class Conn:
@@ -69,6 +142,7 @@ class Conn:
         self.reader = FrameReader()
         self.out = bytearray()
         self.gone = False
+        self.handed = 0          # bytes of results this rank has handed over in this launch
 
 
 class Switchboard:
@@ -97,30 +171,50 @@ class Switchboard:
         conn = self.conns[fd]
         if events & 2:        # EVENT_WRITE
             self._flush(conn)
-        if events & 1:
-            try:
-                data = conn.sock.recv(1 << 20)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                data = b""
-            if not data:
-                self._drop(conn)
-                return
-            try:
-                frames = conn.reader.feed(data)
-            except BadFrame as exc:
-                self._event("protocol", f"rank {conn.rank} sent a malformed message ({exc})", [conn.rank])
-                self._drop(conn)
-                return
-            for header, tensors in frames:
-                try:
-                    self._handle(conn.rank, header, tensors)
-                except (KeyError, TypeError, ValueError) as exc:
-                    self._event("protocol", f"rank {conn.rank} sent a malformed message ({exc!r})", [conn.rank])
-                    self._drop(conn)
-                    return
-            self._settle()
+        if not events & 1:
+            return
+        if len(conn.out) > MAX_BACKLOG:     # the rank does not read its answers: read nothing of it until it does
+            self.sel.modify(fd, 2, ("switchboard", conn.rank))
+            return
+        try:
+            data = conn.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        conn.reader.feed(data)
+        try:
+            while (frame := conn.reader.next_frame()) is not None:
+                self._handle(conn, *frame)
+        except Exception as exc:   # noqa: BLE001  whatever a rank's frame makes fail is that rank's doing
+            self._refuse(conn, exc)
+            return
+        self._settle()
+
+    def _refuse(self, conn: Conn, exc: Exception):
+        """Close the link of a rank whose frame broke a rule or could not be carried out; the item's record says why
+        (its verdict), and the launcher serves the other ranks on."""
+        if isinstance(exc, BadFrame):
+            why = str(malformed(str(exc)))
+        elif isinstance(exc, Refused):
+            why = str(exc)
+        else:
+            why = f"sent a message the switchboard could not carry out ({type(exc).__name__}: {str(exc)[:200]})"
+        self._event("protocol", f"rank {self._place(conn.rank)} {why}. The switchboard closed its link.", [conn.rank])
+        self._drop(conn)
+
+    def _place(self, rank: int) -> int:
+        """The rank as the verdict of the item its refusal costs numbers it: its place in the group of the current
+        item, or of the next it runs when it has ended this one or sits it out (its job rank when no item says)."""
+        start = self.index + 1 if self.index < 0 or rank in self.ended or rank in self.begun else self.index
+        for spec in self.items[start:]:
+            group = spec.get("group")
+            if group is None or rank in group:
+                return rank if group is None else group.index(rank)
+        return rank
 
     def _send(self, rank: int, header: dict, tensors=()):
         conn = self._conn(rank)
@@ -155,30 +249,46 @@ class Switchboard:
         return [c.rank for c in self.conns.values() if not c.gone]
 
     # -- messages --------------------------------------------------------------------------------------------
-    def _handle(self, rank: int, header: dict, tensors: list):
-        kind = header["k"]
+    def _handle(self, conn: Conn, header: dict, tensors: list):
+        """One frame of `conn`'s rank; Refused (or any exception) for one that breaks the protocol."""
+        rank, kind = conn.rank, header.get("k")
         if kind == "op":
-            self._post(Post(rank, header, tensors))
+            post = Post(rank, header, tensors, len(self.conns))
+            held = self.open_posts.get(rank, {}).values()
+            if len(held) >= MAX_IN_FLIGHT or post.nbytes + sum(p.nbytes for p in held) > MAX_HELD:
+                raise Refused(f"posted {MAX_IN_FLIGHT} collectives (or {MAX_HELD >> 20} MiB) that its peers have not "
+                              "matched, the most the switchboard holds for a rank: wait on async work (work.wait()) "
+                              "before posting more")
+            self._post(post)
         elif kind == "wait":
-            seq = int(header["seq"])
+            seq = _int(header, "seq")
             if seq in self.open_posts.get(rank, {}):
                 if self.deadlocked:
                     self._fail(rank, seq, self.deadlocked, deadlock=True)
                 else:
                     self.blocked[rank] = seq
         elif kind == "begin":
-            if int(header["index"]) != self.index + 1:     # items come in the job's order, none skipped
-                raise ValueError(f"asked for item {header['index']} during item {self.index}")
+            index = _int(header, "index")
+            if index != self.index + 1:     # items come in the job's order, none skipped
+                raise malformed(f"it asked to begin item {index} during item {self.index} (items come in the job's "
+                                "order)")
             self.begun.add(rank)
             self.blocked.pop(rank, None)
         elif kind == "end":
-            self._store_result(rank, int(header["index"]), tensors)
-            if header.get("failed"):
+            index, failed = _int(header, "index"), header.get("failed", False)
+            if type(failed) is not bool:
+                raise malformed("`failed` is not true or false")
+            conn.handed += sum(nbytes(x) for x in tensors)
+            if conn.handed > MAX_RESULTS:
+                raise Refused(f"handed over more than {MAX_RESULTS >> 20} MiB of results in one launch, the most the "
+                              "grader reads back of a rank: return only the tensors the check asks for")
+            self._store_result(rank, index, tensors)
+            if failed:
                 self.failed.add(rank)
             self.ended.add(rank)
             self.blocked.pop(rank, None)
         else:
-            raise ValueError(f"unknown message {kind!r}")
+            raise malformed("`k` is not one of op, wait, begin, end")
 
     def _store_result(self, rank: int, index: int, tensors: list):
         if index != self.index or rank in self.ended or len(tensors) != 1 or tensors[0].dtype != torch.uint8:
@@ -196,6 +306,7 @@ class Switchboard:
         self.recvs: dict[tuple, deque] = {}
         self.open_posts: dict[int, dict[int, Post]] = {}   # rank -> seq -> post not yet answered
         self.op_counts: dict[tuple, int] = {}       # (rank, op) -> number, for "all_reduce #2"
+        self.posted: dict[int, int] = {}            # rank -> collectives it posted in this item (its program order)
         self.blocked: dict[int, int] = {}           # rank -> the seq it waits on
         self.ended: set[int] = set()
         self.deadlocked: str = ""
@@ -264,6 +375,7 @@ class Switchboard:
         r, ranks = post.rank, post.ranks
         n = self.op_counts[(r, post.op)] = self.op_counts.get((r, post.op), 0) + 1
         post.label = f"{post.op} #{n} ({post.phase})"
+        post.order = self.posted[r] = self.posted.get(r, 0) + 1
         self.open_posts.setdefault(r, {})[post.seq] = post
         if self.deadlocked:
             self._fail(r, post.seq, self.deadlocked, deadlock=True)
@@ -301,11 +413,19 @@ class Switchboard:
         self._send(rank, {"k": "error", "seq": seq, "msg": msg, "deadlock": deadlock})
 
     def _record(self, post: Post, full_bytes: int, t: int, **extra):
+        """One entry of `post.rank`'s record, appended when the collective completes. Besides the ledger's fields:
+        `posted`, its place in the rank's program order (the rank posts one at a time); `members`, the group as
+        places in the item's group (which of several sub-groups, a mesh's dp or tp); `peer`, a send's or recv's
+        peer as a place in it. The rank says none of them: the switchboard counts and knows."""
         x = post.tensors[0] if post.tensors else None
+        place = (lambda j: self.group.index(j) if j in self.group else -1) if self.group else (lambda j: j)
         entry = {"phase": post.phase, "op": post.op, "index": self.op_counts[(post.rank, post.op)],
                  "bytes": int(full_bytes), "dtype": str(x.dtype).removeprefix("torch.") if x is not None else "",
                  "shape": list(x.shape) if x is not None else [], "group": t,
-                 "sent": float(ring_bytes_sent(post.op, full_bytes, t)), **extra}
+                 "sent": float(ring_bytes_sent(post.op, full_bytes, t)), "posted": post.order,
+                 "members": [place(j) for j in post.ranks], **extra}
+        if post.op in P2P:
+            entry["peer"] = place(post.peer)
         self._item()["entries"].setdefault(str(post.rank), []).append(entry)
 
     def _resolve(self, group, k: int, posts: list[Post]):

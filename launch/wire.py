@@ -4,29 +4,55 @@
     header  = {"k": kind, ..., "tensors": [{"dtype": "float32", "shape": [2, 3]}, ...]}
     payload = the tensors' bytes, in header order (contiguous, CPU)
 
-The launcher's side reads frames without blocking (`FrameReader`); a rank reads them on a thread of its own.
+The launcher reads its ranks' frames without blocking (`FrameReader`) and trusts none of them: every size and
+tensor description is checked before use, and a frame that breaks a rule raises `BadFrame` naming it. A rank
+reads the launcher's frames (`read_frame`) on a thread of its own.
 """
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import torch
 
 HEAD = struct.Struct("<II")
-MAX_HEADER = 1 << 20        # bytes: a header is a few hundred
-MAX_PAYLOAD = 1 << 30       # bytes: a frame's tensors (the box caps a rank's memory far below)
+MAX_HEADER = 1 << 20        # bytes of a rank's header: a few hundred in practice
+# bytes of a rank's tensors in one frame: a lab's are kilobytes, a result at most the 64 MiB a result file may
+# have. The launcher buffers at most one frame per rank, so this bounds what a flooding rank costs it.
+MAX_PAYLOAD = 64 << 20
+MAX_TENSORS = 1024          # tensors in one frame (a coalesced collective over a model's parameters)
+MAX_DIMS = 16
+# what a collective may carry: numbers and booleans, no quantized or bit-packed type (no collective takes one)
+DTYPES = {str(dt).removeprefix("torch."): dt for dt in (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+    torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex32, torch.complex64,
+    torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
 class BadFrame(ValueError):
     """A frame the other side cannot have meant: the link is closed."""
 
 
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise BadFrame(f"unknown dtype {name!r}")
-    return dt
+def shape_error(shape) -> str:
+    """Why `shape` (from JSON) is no tensor's shape; "" if it is one."""
+    # a size over the payload limit is absurd even for an empty tensor, and would overflow torch's int64 sizes
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or \
+            not all(type(s) is int and 0 <= s <= MAX_PAYLOAD for s in shape):    # type(): a bool is an int
+        return f"at most {MAX_DIMS} sizes from 0 to {MAX_PAYLOAD}"
+    return ""
+
+
+def _tensor_meta(meta) -> tuple[torch.dtype, list[int]]:
+    if not isinstance(meta, dict) or not isinstance(meta.get("dtype"), str):
+        raise BadFrame('a tensor\'s description is not {"dtype": name, "shape": [sizes]}')
+    dt = DTYPES.get(meta["dtype"])
+    if dt is None:
+        raise BadFrame(f"a tensor's dtype {meta['dtype'][:40]!r} is not one a collective carries")
+    why = shape_error(meta.get("shape"))
+    if why:
+        raise BadFrame(f"a tensor's shape is not a list of {why}")
+    return dt, meta["shape"]
 
 
 def encode(header: dict, tensors=()) -> bytes:
@@ -38,74 +64,81 @@ def encode(header: dict, tensors=()) -> bytes:
     return HEAD.pack(len(head), len(body)) + head + body
 
 
-def decode(head: bytes, body: bytes) -> tuple[dict, list[torch.Tensor]]:
+def decode(head: bytes, body: bytearray | memoryview) -> tuple[dict, list[torch.Tensor]]:
+    """The header and the tensors of one frame; the tensors share `body`'s memory."""
     try:
         header = json.loads(head)
-    except ValueError as exc:
-        raise BadFrame(f"header is not JSON ({exc})") from None
-    if not isinstance(header, dict) or not isinstance(header.get("tensors", []), list):
-        raise BadFrame("header is not an object with a tensor list")
+    except (ValueError, RecursionError) as exc:     # RecursionError: brackets nested past the parser's depth
+        raise BadFrame(f"the header is not JSON ({str(exc)[:80]})") from None
+    if not isinstance(header, dict):
+        raise BadFrame("the header is not a JSON object")
+    metas = header.get("tensors", [])
+    if not isinstance(metas, list) or len(metas) > MAX_TENSORS:
+        raise BadFrame(f"`tensors` is not a list of at most {MAX_TENSORS} tensor descriptions")
     tensors, at = [], 0
-    buf = bytearray(body)
-    for meta in header.get("tensors", []):
-        try:
-            dt, shape = _dtype(meta["dtype"]), [int(s) for s in meta["shape"]]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BadFrame(f"bad tensor description ({exc})") from None
-        if any(s < 0 for s in shape):
-            raise BadFrame("negative size")
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-        if at + n > len(buf):
-            raise BadFrame("payload shorter than its tensors")
-        t = (torch.frombuffer(buf, dtype=torch.uint8, offset=at, count=n) if n else torch.empty(0, dtype=torch.uint8))
+    for meta in metas:
+        dt, shape = _tensor_meta(meta)
+        n = math.prod(shape) * dt.itemsize         # Python's integers: no overflow, whatever the sizes say
+        if at + n > len(body):
+            raise BadFrame("the payload is shorter than the tensors its header describes")
+        t = torch.frombuffer(body, dtype=torch.uint8, offset=at, count=n) if n else torch.empty(0, dtype=torch.uint8)
         tensors.append(t.view(dt).reshape(shape))
         at += n
-    if at != len(buf):
-        raise BadFrame("payload longer than its tensors")
+    if at != len(body):
+        raise BadFrame("the payload is longer than the tensors its header describes")
     return header, tensors
 
 
+def _sizes(head, limit: int | None) -> tuple[int, int]:
+    hl, bl = HEAD.unpack_from(head)
+    if hl > MAX_HEADER or (limit is not None and bl > limit):
+        raise BadFrame(f"a frame of {hl} + {bl} bytes is over the limit ({MAX_HEADER} bytes of header, "
+                       f"{limit} of tensors)")
+    return hl, bl
+
+
 class FrameReader:
-    """Bytes in as they arrive, whole frames out."""
+    """A rank's bytes in as they arrive, its frames out one at a time: a frame after a bad one is never decoded,
+    so what a rank's link carried before it broke a rule does not depend on how the bytes were chunked."""
 
     def __init__(self):
         self.buf = bytearray()
 
-    def feed(self, data: bytes) -> list[tuple[dict, list[torch.Tensor]]]:
+    def feed(self, data: bytes):
         self.buf += data
-        frames = []
-        while len(self.buf) >= HEAD.size:
-            hl, bl = HEAD.unpack_from(self.buf)
-            if hl > MAX_HEADER or bl > MAX_PAYLOAD:
-                raise BadFrame(f"frame of {hl} + {bl} bytes is over the limit")
-            if len(self.buf) < HEAD.size + hl + bl:
-                break
-            head = bytes(self.buf[HEAD.size:HEAD.size + hl])
-            body = bytes(self.buf[HEAD.size + hl:HEAD.size + hl + bl])
-            del self.buf[:HEAD.size + hl + bl]
-            frames.append(decode(head, body))
-        return frames
+
+    def next_frame(self) -> tuple[dict, list[torch.Tensor]] | None:
+        """The next whole frame, or None until more bytes come; BadFrame for a frame that breaks a rule (its
+        sizes are checked as soon as they arrive, so at most one frame of a rank is ever buffered)."""
+        if len(self.buf) < HEAD.size:
+            return None
+        hl, bl = _sizes(self.buf, MAX_PAYLOAD)
+        end = HEAD.size + hl + bl
+        if len(self.buf) < end:
+            return None
+        head, body = bytes(self.buf[HEAD.size:HEAD.size + hl]), self.buf[HEAD.size + hl:end]
+        del self.buf[:end]
+        return decode(head, body)
 
 
 def read_frame(sock) -> tuple[dict, list[torch.Tensor]] | None:
-    """One frame from a blocking socket; None at end of stream."""
+    """One frame of the launcher's from a blocking socket; None at end of stream. Its tensors are not capped: an
+    all-gather's answer is every rank's frame at once."""
     head = _read_exact(sock, HEAD.size)
     if head is None:
         return None
-    hl, bl = HEAD.unpack(head)
-    if hl > MAX_HEADER or bl > MAX_PAYLOAD:
-        raise BadFrame(f"frame of {hl} + {bl} bytes is over the limit")
+    hl, bl = _sizes(head, None)
     rest = _read_exact(sock, hl + bl)
     if rest is None:
         return None
-    return decode(rest[:hl], rest[hl:])
+    return decode(bytes(rest[:hl]), memoryview(rest)[hl:])
 
 
-def _read_exact(sock, n: int) -> bytes | None:
+def _read_exact(sock, n: int) -> bytearray | None:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(min(n - len(buf), 1 << 20))
         if not chunk:
             return None
         buf += chunk
-    return bytes(buf)
+    return buf

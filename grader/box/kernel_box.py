@@ -66,6 +66,7 @@ class BoxedKernelManager(AsyncKernelManager):
         self.ip = os.path.join(self.sockets, "kernel")       # sockets kernel-1, kernel-2, ... in the scratch folder
         self.connection_file = os.path.join(self.sockets, "connection.json")
         self.box: Sandbox | None = None
+        self.box_env: dict | None = None
 
     def format_kernel_cmd(self, extra_arguments=None):
         cmd = super().format_kernel_cmd(extra_arguments)
@@ -84,16 +85,21 @@ class BoxedKernelManager(AsyncKernelManager):
         for dirpath, dirs, files in os.walk(self.scratch):
             for name in dirs + files:
                 give_to(os.path.join(dirpath, name), self.box.uid)
-        env = clean_env(os.environ, {"HOME": home, "IPYTHONDIR": os.path.join(home, ".ipython"),
-                                     "MPLCONFIGDIR": os.path.join(home, ".matplotlib"), "PYTHONPATH": ROOT,
-                                     "JUPYTER_RUNTIME_DIR": self.sockets})
-        prefix = list(self.box.prefix)
-        sep = prefix.index("--")
-        setenv = ["--clearenv"] + [a for k, v in env.items() for a in ("--setenv", k, v)]
+        self.box_env = clean_env(os.environ, {"HOME": home, "IPYTHONDIR": os.path.join(home, ".ipython"),
+                                              "MPLCONFIGDIR": os.path.join(home, ".matplotlib"), "PYTHONPATH": ROOT,
+                                              "JUPYTER_RUNTIME_DIR": self.sockets})
         # the kernel's own stdout/stderr (ipykernel's banner, crashes) go to a log in the scratch folder:
         # what the student's cells print reaches the notebook through the protocol, not through these
         log = ["/bin/sh", "-c", 'exec "$@" >>"$0" 2>&1', os.path.join(self.scratch, "kernel.log")]
-        return prefix[:sep] + setenv + prefix[sep:] + log + cmd
+        return list(self.box.prefix) + log + cmd
+
+    async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
+        if self.box_env is not None:
+            # the box (bubblewrap, and the kernel it starts) gets the allowlist as its whole environment. `independent`:
+            # no JPY_PARENT_PID, the grader's pid, which the kernel cannot see from its pid namespace (it would exit);
+            # the box dies with its parent anyway (--die-with-parent)
+            kw.update(env=dict(self.box_env), independent=True)
+        await super()._async_launch_kernel(kernel_cmd, **kw)
 
     async def _async_cleanup_resources(self, restart: bool = False) -> None:
         await super()._async_cleanup_resources(restart=restart)

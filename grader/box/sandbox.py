@@ -12,20 +12,22 @@ A box is a bubblewrap command prefix (`Sandbox.prefix`). What runs inside:
   the kernel and torchrun through `setpriv`). Run as another user, it keeps that user's identity
   and sees only the allowlist;
 - reaches no network but its own loopback (a new network namespace), has its own PID, IPC and UTS
-  namespaces, dies with its parent, gets a clean environment (an allowlist of variables);
+  namespaces, dies with its parent, gets a clean environment (an allowlist of variables, and never one
+  whose name could carry a secret: `clean_env`);
 - cannot fork-bomb the machine (pids cgroup), hog memory (RLIMIT_AS per rank, a memory cgroup per job,
   a size-capped /tmp), starve a job graded beside it (a cpu cgroup per job: equal shares, however many
-  processes it starts), fill the disk (RLIMIT_FSIZE) or spin forever on CPU (RLIMIT_CPU; the job wall
-  clock comes first anyway).
+  processes it starts), fill the disk (RLIMIT_FSIZE per file; a grading job's out/ is a size-capped tmpfs
+  per rank, `grader.judge.attempt`) or spin forever on CPU (RLIMIT_CPU; the job wall clock comes first anyway).
 Student code is never unboxed by accident: without bubblewrap the box refuses (`SandboxUnavailable`)
 unless GRADER_SANDBOX=off says so explicitly (your own kernel, your own code). Where a lesser tool is
-missing (setpriv, a pids cgroup) the box degrades and says so in `notes`; GRADER_SANDBOX=on makes that an
-error too.
+missing (setpriv, a cgroup controller, root) the box degrades and says so in `notes` (`Sandbox.degrade`);
+GRADER_SANDBOX=on refuses instead.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import site
 import sys
@@ -43,10 +45,13 @@ KERNEL_VIEW = ("launch", "tpkit")
 SYSTEM = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt/conda")
 ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
             "MPLBACKEND", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "GRADER_DEFER_CHECKS", "CUDA_VISIBLE_DEVICES")
+# never into a box, whatever allows the name: what could carry a secret of the grader's (a JupyterHub API token, a
+# cloud key) or point at the grader's own processes (JPY_PARENT_PID: a kernel that cannot see that pid exits)
+ENV_DENY = re.compile(r"^(JPY_|JUPYTERHUB_)|TOKEN|SECRET|PASSWORD|KEY|CREDENTIAL|AUTH", re.IGNORECASE)
 
 
 class SandboxUnavailable(RuntimeError):
-    """Student code would run unboxed: refused unless GRADER_SANDBOX=off asks for it."""
+    """Student code would run unboxed, or (GRADER_SANDBOX=on) in a box that lacks a part: refused."""
 
 
 @dataclass
@@ -57,6 +62,10 @@ class Limits:
     pids: int = 1024                 # tasks (processes + threads) in the whole job: gloo groups are threads
     job_memory_bytes: int = 4 << 30  # resident memory of the whole job, its /tmp included (memory cgroup)
     tmp_bytes: int = 256 << 20       # the box's private /tmp (tmpfs: memory the machine would otherwise give)
+    out_bytes: int = 128 << 20       # a grading rank's out/ folder, all its files together (a tmpfs of its own) ...
+    job_out_bytes: int = 256 << 20   # ... and every rank's of a job together: a rank gets min(out_bytes, this / ranks)
+    out_files: int = 1024            # files and folders in a rank's out/, or in the job's where its ranks share one
+                                     # (a tmpfs's inodes cost memory beyond its size)
     # CPU: the job gets its own cpu cgroup with the default weight, so however many processes it starts, a job
     # graded beside it still gets an equal share of the cores
 
@@ -127,10 +136,10 @@ def give_to(path: str, uid: int | None):
 
 
 def clean_env(env: dict, extra: dict | None = None) -> dict:
-    """The variables student code may see: an allowlist (no tokens, no instructor paths), plus `extra`."""
-    out = {k: v for k, v in env.items() if k in ENV_KEEP or k.startswith(("COURSE_", "JPY_"))}
-    out.update(extra or {})
-    return out
+    """The variables student code may see: an allowlist of `env` (no instructor paths), plus `extra`; never a name
+    ENV_DENY matches, from either."""
+    kept = {k: v for k, v in env.items() if k in ENV_KEEP or k.startswith("COURSE_")}
+    return {k: v for k, v in {**kept, **(extra or {})}.items() if not ENV_DENY.search(k)}
 
 
 @dataclass
@@ -162,6 +171,13 @@ class Sandbox:
         if self.mode == "off":
             self.notes.append("sandbox off (GRADER_SANDBOX=off): student code runs with your privileges")
             return self
+        try:
+            return self._enter()
+        except BaseException:
+            self.__exit__(None, None, None)     # the cgroups made before the refusal
+            raise
+
+    def _enter(self) -> "Sandbox":
         self.env.update(rlimits_env(self.limits))
         bwrap = shutil.which("bwrap")
         if bwrap is None:
@@ -177,8 +193,9 @@ class Sandbox:
             if self.setpriv:
                 setpriv = shutil.which("setpriv")
                 if setpriv is None:
-                    return self._missing("setpriv (util-linux) is not installed: cannot drop to an "
-                                         "unprivileged user inside the box")
+                    self.degrade("setpriv (util-linux) is not installed, so the box cannot drop to an unprivileged "
+                                 "user: install util-linux")
+                    return self
                 drop = [setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
                         "--inh-caps=-all", "--bounding-set=-all"]
             else:
@@ -223,17 +240,20 @@ class Sandbox:
             args += ["--chdir", self.chdir]
         return args
 
-    def _missing(self, msg: str) -> "Sandbox":
+    def degrade(self, msg: str):
+        """A part of the box is missing (`msg` says which, and how to add it): a note, or (GRADER_SANDBOX=on) a
+        refusal."""
         if self.mode == "on":
-            raise RuntimeError(msg)
+            raise SandboxUnavailable(f"GRADER_SANDBOX=on, and {msg}. Fix that, or set GRADER_SANDBOX=auto to grade "
+                                     "in a box without it (each report's sandbox notes then say what is missing).")
         self.notes.append(msg)
-        return self
 
-    def base_env(self, env: dict) -> dict:
-        """What boxed code starts from: an allowlist of `env` (no tokens, no instructor paths) plus the box's own."""
+    def base_env(self, env: dict, extra: dict | None = None) -> dict:
+        """What boxed code starts from: an allowlist of `env` plus the box's own variables and `extra`
+        (`clean_env`: no secret passes, whoever names it)."""
         if not self.prefix:
-            return dict(env)
-        return clean_env(env, {**self.env, "HOME": self.chdir or "/tmp"})
+            return {**env, **self.env, **(extra or {})}
+        return clean_env(env, {**self.env, "HOME": self.chdir or "/tmp", **(extra or {})})
 
     def _cgroup(self):
         """One cgroup per controller for this job; the box's first process joins them all before exec, so
@@ -249,9 +269,10 @@ class Sandbox:
                     with open(os.path.join(path, fname), "w") as f:
                         f.write(value)
             except OSError as exc:
-                self.notes.append(f"no {controller} limit for the job ({exc})")
                 if os.path.isdir(path):
                     os.rmdir(path)
+                self.degrade(f"the job has no {controller} limit ({exc}): run the grader as root where cgroup v1 "
+                             f"hierarchies are mounted under {CGROUP_ROOT}")
                 continue
             self.cgroups.append(path)
         if self.cgroups:
