@@ -1,6 +1,7 @@
 """Context parallelism: attention over a sequence split across t ranks, three ways.
 
-Tensors are (B, nh, T, hs); the sequence is dim 2. Causal attention, softmax scale 1/sqrt(hs).
+Tensors are (B, nh, T, hs); the sequence is dim 2. Causal attention, softmax scale 1/sqrt(hs). Here t is the
+CP degree (the Week 10 lecture writes it c and keeps t for the TP degree).
 
 - Ring attention (Liu et al. 2023, arXiv 2310.01889): each rank keeps its queries; K/V blocks travel
   around the ring, and each rank merges the partial results with the log-sum-exp rule (Milakov and
@@ -11,9 +12,14 @@ Tensors are (B, nh, T, hs); the sequence is dim 2. Causal attention, softmax sca
 - Causal load balance (Megatron-LM's CP, torchtitan's context_parallel): cut T into 2t chunks; rank r
   holds chunks r and 2t-1-r, so every rank has as many early (cheap) as late (expensive) queries.
 - DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv 2309.14509): an all-to-all turns sequence shards into
-  head shards (B, nh/t, T, hs), plain attention runs per head group, an all-to-all turns it back.
-- All-gather K/V (Dubey et al. 2024, arXiv 2407.21783, Sec. 3.3.2, Llama 3): all-gather K and V, attend
-  the local (load-balanced) queries to them; backward reduce-scatters dK/dV.
+  head shards (B, nh/t, T, hs), plain attention runs per head group, an all-to-all turns it back. This
+  version requires t | nh (by choice: DeepSpeed's DistributedAttention splits heads unevenly with
+  `uneven_heads_all2all`, and its ALST Ulysses replicates K/V heads when t > n_kv, `kv_replication_factor`).
+- All-gather K/V (Dubey et al. 2024, arXiv 2407.21783, Sec. 3.3.2, Llama 3; the paper describes the
+  forward only): all-gather K and V, attend the local (load-balanced) queries to them; backward
+  reduce-scatters dK/dV. Here autograd keeps the gathered K/V for backward (simple, but the whole K/V per
+  layer); TransformerEngine's AttnFuncWithCPAndKVAllGather instead saves only the local K/V, all-gathers
+  them again in backward and then reduce-scatters dK/dV.
 """
 from __future__ import annotations
 
@@ -211,8 +217,9 @@ def ulysses_attention(q, k, v, group=None):
     4 all-to-alls forward (q, k, v in, output out), 4 backward."""
     t, nh = dist.get_world_size(group), q.shape[1]
     if nh % t:
-        raise ValueError(f"Ulysses needs the number of heads divisible by the CP degree: {nh} heads on {t} "
-                         f"ranks. Use a degree that divides {nh}, or ring attention (no such limit).")
+        raise ValueError(f"This Ulysses needs the number of heads divisible by the CP degree: {nh} heads on {t} "
+                         f"ranks (a choice of this course: DeepSpeed splits heads unevenly instead). Use a degree "
+                         f"that divides {nh}, or ring attention (no such limit).")
     o = causal_attention(*(SeqToHeads.apply(x, group) for x in (q, k, v)))   # (B, nh/t, T, hs)
     return HeadsToSeq.apply(o, group)
 
@@ -220,7 +227,9 @@ def ulysses_attention(q, k, v, group=None):
 # -- all-gather K/V (Llama 3) --------------------------------------------------------------------
 class GatherKV(torch.autograd.Function):
     """(2, B, nh, T/t, hs) stacked local K/V -> (t, 2, B, nh, T/t, hs): every rank's. Backward:
-    reduce-scatter, because every rank's queries contributed to the grad of every K/V block."""
+    reduce-scatter, because every rank's queries contributed to the grad of every K/V block. The attention
+    that consumes the gathered K/V saves it for backward (this module's choice, not the method's: see the
+    module docstring for TransformerEngine's re-gather)."""
 
     @staticmethod
     def forward(ctx, kv, group=None):

@@ -5,14 +5,19 @@ Generalized TP / ZeRO-3 keeps each weight 1/t per rank and materialises the full
 GEMM. The memory claim "shard + at most two gathered weights (the one in use, the one being prefetched)"
 is measured here, not trusted:
 
-- every all-gather's output buffer is tracked with a weak reference: when the code drops its last
-  reference, the buffer is freed and the weak reference dies. At each new all-gather we count the
-  tracked buffers still alive, plus the new one: that is the peak number of full weights held;
+- every all-gather into one tensor is watched at the dispatcher: the c10d ops `_allgather_base_` (what
+  `dist.all_gather_single` and its deprecated alias `dist.all_gather_into_tensor` run) and
+  `allgather_into_tensor_coalesced_`, whose output is their first argument, and the functional
+  `_c10d_functional.all_gather_into_tensor` (functional collectives, DTensor), whose output is returned;
+- each such output buffer is tracked with a weak reference: when the code drops its last reference,
+  the buffer is freed and the weak reference dies (a buffer whose storage is resized to 0, as FSDP2
+  frees, counts as freed too). At each new all-gather we count the tracked buffers still alive, plus
+  the new one: that is the peak number of full weights held;
 - a saved_tensors hook sees every tensor autograd keeps for backward; one sharing storage with a live
   gathered buffer means a full weight is pinned from forward to backward (ZeRO-3 re-gathers instead).
 
-What it does not see: a weight gathered with the list form of all_gather and concatenated afterwards
-(the lab asks for all_gather_into_tensor), or allocator-level fragmentation.
+What it does not see: a weight gathered with the list form, `dist.all_gather` (c10d `allgather_`), and
+concatenated afterwards (the lab asks for `dist.all_gather_single`), or allocator-level fragmentation.
 """
 from __future__ import annotations
 
