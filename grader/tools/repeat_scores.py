@@ -15,21 +15,22 @@ import sys
 import time
 
 from grader.autograde.nbgrader_tools import weeks
-from grader.autograde.notebook import run_trusted
-from grader.tools.corpus import build, load_manifest
+from grader.autograde.notebook import grade_cells, run_trusted
+from grader.tools.corpus import build, lab_notebooks, load_manifest
 
 
 def correct_submissions(week: str) -> list[tuple[str, dict]]:
-    """(name, spec) of the lab's solution and of every fixture expected to pass every grade cell."""
+    """(name, spec) of the lab's solution and of every fixture expected to pass every grade cell of the lab."""
     subs = [("solution", {"base": "solution"})]
     try:
         fixtures = load_manifest(week)["submissions"]
     except FileNotFoundError:
-        fixtures = {}
+        return subs
+    cells = {cell.metadata["nbgrader"]["grade_id"] for _, cell, _, _ in grade_cells(lab_notebooks(week)[1])}
     for name, spec in fixtures.items():
         if spec.get("nbgrader_only") or spec.get("sandbox"):
             continue             # graded through nbgrader, or needs files planted around the job
-        if all(v == "pass" for v in spec["expect"].values()):
+        if set(spec["expect"]) >= cells and all(v == "pass" for v in spec["expect"].values()):
             subs.append((name, spec))
     return subs
 
