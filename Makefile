@@ -16,8 +16,11 @@ E2E_DEPS := $(if $(wildcard mk/e2e.mk),e2e-deps,)
 # one-node SLURM, PostgreSQL gradebook, gpu-check (launch/slurm/, tests/test_cluster.py)
 -include mk/cluster.mk
 CLUSTER_DEPS := $(if $(wildcard mk/cluster.mk),cluster-deps,)
+# the course on JupyterHub: shared venv, configurable-http-proxy, `make hub` (launch/hub/, tests/test_hub.py)
+-include mk/hub.mk
+HUB_DEPS := $(if $(wildcard mk/hub.mk),hub-deps,)
 
-.PHONY: venv sandbox-deps test demo lab labs notebooks bench clean
+.PHONY: venv sandbox-deps test demo lab labs notebooks student-install bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,7 +40,7 @@ sandbox-deps:
 
 # two passes: everything but the timed lecture cells on both cores, then the lectures alone (their
 # measured claims are asserted, and a neighbour's load must not move them)
-test: venv sandbox-deps $(E2E_DEPS) $(CLUSTER_DEPS)
+test: venv sandbox-deps $(E2E_DEPS) $(CLUSTER_DEPS) $(HUB_DEPS)
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial" --durations=25 tests
 	$(PY) -m pytest -q -m serial --durations=10 tests
 
@@ -54,6 +57,11 @@ labs: venv
 # re-execute the lecture notebooks in place (CPU/gloo) so their committed outputs are fresh
 notebooks: venv
 	$(PY) -m grader execute-lectures
+
+# what a student's account needs (labs, tpkit, launch, the rank side; no answer): make student-install DEST=/srv/tp-student
+student-install: venv
+	@test -n "$(DEST)" || { echo "usage: make student-install DEST=/path/to/folder"; exit 2; }
+	$(PY) -m grader student-install "$(DEST)" $(if $(FORCE),--force,)
 
 # cold check, warm check and class-scale autograde timings on this machine
 bench: venv sandbox-deps

@@ -1,5 +1,6 @@
-"""python -m grader {check NOTEBOOK | check-server --stop | demo | release [WEEK..] | execute-lectures [NB..] |
-autograde WEEK | merge-gradebooks DB SLICE.db.. | bench | repeat-scores | gpu-check}"""
+"""python -m grader {check NOTEBOOK | check-server --stop | student-install DEST | grading-service --socket PATH |
+demo | release [WEEK..] | execute-lectures [NB..] | autograde WEEK | merge-gradebooks DB SLICE.db.. | bench |
+repeat-scores | gpu-check}"""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,12 @@ sys.modules.setdefault("rfc3987_syntax", None)
 
 
 def cmd_check(a) -> int:
+    from tpkit.selfcheck import SERVICE_ENV, check_notebook_served, has_grader
+    if os.environ.get(SERVICE_ENV) or not has_grader():
+        # a student install (or a class's account): the grading service grades; this process only reads the notebook
+        if a.output or a.backend:
+            print("note: --output and --backend are not sent to the grading service", file=sys.stderr)
+        return check_notebook_served(a.notebook, execute=not a.no_execute)
     from grader.tools.check_server import check
     code = check(a.notebook, backend=a.backend, execute=not a.no_execute, out=a.output, timeout=a.timeout)
     # everything is written and cleaned up: skip the interpreter's teardown of torch (~0.5 s of a check)
@@ -32,6 +39,23 @@ def cmd_check_server(a) -> int:
         print("error: give --stop, or --socket and --notebook (`python -m grader check` starts a server itself)")
         return 2
     return check_server.serve(a.socket, a.notebook, idle=a.idle)
+
+
+def cmd_student_install(a) -> int:
+    from grader.tools.grading_service import student_install
+    try:
+        written = student_install(a.dest, force=a.force)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote a student install into {os.path.abspath(a.dest)}: {', '.join(written)}")
+    return 0
+
+
+def cmd_grading_service(a) -> int:
+    from grader.tools.grading_service import MAX_CHECKS, serve
+    return serve(a.socket, group=a.group, max_checks=a.max_checks or MAX_CHECKS, timeout=a.timeout,
+                 allow_unboxed=a.allow_unboxed)
 
 
 def cmd_demo(a) -> int:
@@ -101,7 +125,10 @@ def _seconds(text: str) -> float:
 
 
 def main(argv=None) -> int:
-    from grader.judge.timeouts import EXECUTE_TIMEOUT
+    try:
+        from grader.judge.timeouts import EXECUTE_TIMEOUT
+    except ImportError:     # a student install: only `check` works there, through the grading service
+        EXECUTE_TIMEOUT = 900
     p = argparse.ArgumentParser(prog="python -m grader", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="run a lab notebook and grade it the trusted way; prints score: X/Y")
@@ -120,6 +147,18 @@ def main(argv=None) -> int:
     s.add_argument("--notebook", help=argparse.SUPPRESS)
     s.add_argument("--idle", type=float, default=None, help="exit after this many seconds with no check (600)")
     s.set_defaults(fn=cmd_check_server)
+    i = sub.add_parser("student-install", help="write what a student's account needs (labs, tpkit, launch, the rank "
+                       "side) into DEST: no reference, solutions, cases, judge or gradebook")
+    i.add_argument("dest")
+    i.add_argument("--force", action="store_true", help="replace an earlier student install in DEST")
+    i.set_defaults(fn=cmd_student_install)
+    v = sub.add_parser("grading-service", help="the trusted service that grades a class's checks on a Unix socket")
+    v.add_argument("--socket", required=True, help="the socket to create (its folder: writable by this user only)")
+    v.add_argument("--group", default=None, help="the socket's group (the students'); it is made 0660")
+    v.add_argument("--max-checks", type=int, default=None, help="checks at a time, in all (default: half the cores)")
+    v.add_argument("--timeout", type=_seconds, default=None, help="seconds a check may take before it is stopped")
+    v.add_argument("--allow-unboxed", action="store_true", help=argparse.SUPPRESS)
+    v.set_defaults(fn=cmd_grading_service)
     d = sub.add_parser("demo", help="a scratch class: release, submissions, nbgrader autograde, gradebook")
     d.add_argument("--keep", default=None, help="keep the scratch course in this folder")
     d.set_defaults(fn=cmd_demo)
@@ -154,6 +193,13 @@ def main(argv=None) -> int:
     sub.add_parser("gpu-check", help="on a CUDA machine: the install, every lab on NCCL, the lectures' GPU cells"
                    ).set_defaults(fn=cmd_gpu_check)
     a = p.parse_args(argv)
+    if a.cmd != "check":
+        from tpkit.selfcheck import has_grader
+        if not has_grader():
+            print(f"error: this is a student install of the course (no grader here): `{a.cmd}` runs in the course "
+                  "root; here only `python -m grader check NOTEBOOK` works, graded by the course's grading service",
+                  file=sys.stderr)
+            return 2
     return a.fn(a)
 
 

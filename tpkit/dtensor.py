@@ -68,15 +68,6 @@ def quiet_redistribute_warnings():
         lg.setLevel(old)
 
 
-def pad_reference(input_ids: torch.Tensor, labels: torch.Tensor, multiple: int, ignore_index: int = -100):
-    """Right-pad (B, T) ids with 0 and labels with ignore_index to a multiple of `multiple` (trusted copy)."""
-    pad = (-input_ids.shape[1]) % multiple
-    if pad:
-        input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
-        labels = torch.nn.functional.pad(labels, (0, pad), value=ignore_index)
-    return input_ids, labels
-
-
 def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
