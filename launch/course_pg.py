@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -22,7 +23,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from launch.course_kernels import KERNELS, script_op, unbox
+from launch.course_kernels import KERNELS, SPARSE_KERNELS, script_op, unbox
 from launch.wire import encode, read_frame
 
 BACKEND = "course"
@@ -46,6 +47,7 @@ class Link:
         self.closed: str | None = None
         self.waiting = False                    # the main thread is blocked in a wait
         self.works: list = []                   # this item's works (dropped when the next item begins)
+        self.holding: list = []                 # those that still hold their output tensors
         threading.Thread(target=self._read, name="switchboard-reader", daemon=True).start()
 
     def _send(self, header: dict, tensors=()):
@@ -53,19 +55,37 @@ class Link:
         with self.send_lock:
             self.sock.sendall(data)
 
-    def post(self, header: dict, tensors, deliver) -> "CourseWork":
+    def post(self, header: dict, tensors, deliver, result=()) -> "CourseWork":
+        """`result`: what the Work's future carries when it is done (and `Work.result()` returns): the op's output
+        tensors, as gloo's Work gives them."""
         with self.send_lock:
             self.seq += 1
             seq = self.seq
-        work = CourseWork(self, seq, header["op"])
+        self._let_go()
+        work = CourseWork(self, seq, header["op"], result)
         self.pending[seq] = (work, deliver)
         self.works.append(work)     # alive while torch holds it: a collected Python Work would wait forever
+        if work.outputs:
+            self.holding.append(work)
         self._send({**header, "k": "op", "seq": seq, "phase": self.phase()}, tensors)
         return work
+
+    def _let_go(self):
+        """A finished Work that nothing but these lists holds (its caller dropped it; torch's C++ side, which may still
+        wait on it, is not counted) lets go of its output tensors, as gloo's Work would be freed with them: a buffer
+        the student drops must be freed (week 8 counts them), though the Work itself stays alive for the item."""
+        keep = []
+        for work in self.holding:       # referrers when no one else holds it: the two lists, `work`, the argument
+            if work.done.is_set() and sys.getrefcount(work) <= 4:
+                work._let_go()
+            else:
+                keep.append(work)
+        self.holding = keep
 
     def request(self, header: dict, tensors=()) -> tuple[dict, list]:
         """A harness message that the switchboard answers (an item's start): blocks for the answer."""
         self.works = [w for w in self.works if not w.done.is_set()]
+        self.holding = [w for w in self.holding if not w.done.is_set()]
         self._send(header, tensors)
         with self.reply_ready:
             while not self.replies:
@@ -88,6 +108,8 @@ class Link:
                 if kind in ("done", "error"):
                     work, deliver = self.pending.pop(header["seq"])
                     if kind == "done":
+                        if type(header.get("src")) is int:     # a recv from any source: whose send it got
+                            work.source = header["src"]
                         deliver(tensors)
                         work._finish(None)
                     else:
@@ -110,7 +132,7 @@ class Link:
 _T = torch._C._distributed_c10d.OpType
 _OP_TYPES = {"all_reduce": _T.ALLREDUCE, "all_gather": _T._ALLGATHER_BASE, "reduce_scatter": _T._REDUCE_SCATTER_BASE,
              "all_to_all": _T.ALLTOALL_BASE, "broadcast": _T.BROADCAST, "barrier": _T.BARRIER, "send": _T.SEND,
-             "recv": _T.RECV}
+             "recv": _T.RECV, "reduce": _T.REDUCE, "gather": _T.GATHER, "scatter": _T.SCATTER}
 
 
 def _wait_hooks() -> list:
@@ -125,20 +147,34 @@ def _wait_hooks() -> list:
 class CourseWork(dist.Work):
     """A posted collective: done when the switchboard answers. `wait` polls, so SIGALRM still interrupts it."""
 
-    def __init__(self, link: Link, seq: int, op: str):
+    def __init__(self, link: Link, seq: int, op: str, result=()):
         super().__init__()
         self.link, self.seq, self.op = link, seq, op
+        self.outputs = list(result)     # the future's value: a list of tensors (of lists, for all_gather_coalesced)
+        self.source: int | None = None  # a recv from any source: the sender's rank in the group
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self.fut = torch.futures.Future()
+        self.fut: torch.futures.Future | None = None     # made when asked for (torch's C++ asks at once: DDP)
+        self.lock = threading.Lock()
 
     def _finish(self, error):
-        self.error = error
-        self.done.set()
-        if error is None:
-            self.fut.set_result(None)
+        with self.lock:
+            self.error = error
+            self.done.set()
+            fut = self.fut
+        if fut is not None:            # its callbacks (a DDP comm hook's then()) run here, outside the lock
+            self._complete(fut)
+
+    def _complete(self, fut):
+        if self.error is None:
+            fut.set_result(self.outputs)
         else:
-            self.fut.set_exception(RuntimeError(str(error)))
+            fut.set_exception(RuntimeError(str(self.error)))
+
+    def _let_go(self):
+        """Its caller dropped it once it was done: the output tensors are no longer held here (`Link._let_go`)."""
+        with self.lock:
+            self.outputs, self.fut = [], None
 
     def wait(self, timeout=None):
         # a Python caller's wait (torch's own C++ callers pass a timeout) is seen by the measuring modes that wrap
@@ -174,7 +210,25 @@ class CourseWork(dist.Work):
         return self.done.is_set() and self.error is None
 
     def get_future(self):
-        return self.fut
+        with self.lock:
+            if self.fut is None:
+                self.fut = torch.futures.Future()
+                if self.done.is_set():
+                    self._complete(self.fut)
+            return self.fut
+
+    def result(self):
+        """The op's output tensors once it is done, as gloo's `Work.result()` gives them."""
+        self._block()
+        return self.outputs
+
+    def _source_rank(self):
+        """Which rank of the group a recv from any source got its message from (`dist.recv(t)` returns it)."""
+        if self.source is None:
+            raise RuntimeError("_source_rank: this Work is not a recv from any source, or is not done yet")
+        return self.source
+
+    source_rank = _source_rank
 
 
 class CourseGroup(dist.ProcessGroup):
@@ -250,6 +304,8 @@ def register():
         warnings.simplefilter("ignore")
         for name, kernel in KERNELS.items():
             _LIBRARY.impl(name, kernel, "CPU")
+        for name, kernel in SPARSE_KERNELS.items():
+            _LIBRARY.impl(name, kernel, "SparseCPU")
 
 
 def available() -> bool:

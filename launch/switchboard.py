@@ -400,11 +400,12 @@ class Switchboard:
             del self.slots[(group, k)]
             self._resolve(group, k, [slot[x] for x in ranks])
 
-    def _answer(self, post: Post, tensors=()):
+    def _answer(self, post: Post, tensors=(), **fields):
+        """`fields`: more for the rank to know (a recv from any source: `src`, the sender's rank in the group)."""
         self.open_posts.get(post.rank, {}).pop(post.seq, None)
         if self.blocked.get(post.rank) == post.seq:
             del self.blocked[post.rank]
-        self._send(post.rank, {"k": "done", "seq": post.seq}, tensors)
+        self._send(post.rank, {"k": "done", "seq": post.seq, **fields}, tensors)
 
     def _fail(self, rank: int, seq: int, msg: str, deadlock: bool = False):
         self.open_posts.get(rank, {}).pop(seq, None)
@@ -443,32 +444,62 @@ class Switchboard:
             self._answer(p, answer)
 
     def _post_p2p(self, post: Post, group):
-        if post.peer < 0:
+        """Match a send with its recv: the same group, source, destination and tag, in the order they were posted. A
+        recv from any source (`any_source`, peer -1) takes the earliest send posted to its rank with its tag, and
+        learns from whom; a send goes to the earliest of the recvs that can take it."""
+        any_source = post.op == "recv" and post.peer < 0 and post.header.get("any_source") is True
+        if post.peer < 0 and not any_source:
             self._fail(post.rank, post.seq, f"{post.label}: no such rank in the group")
             return
-        src, dst = (post.rank, post.peer) if post.op == "send" else (post.peer, post.rank)
-        key = (group, src, dst, int(post.header.get("tag", 0)))
-        mine, theirs = (self.sends, self.recvs) if post.op == "send" else (self.recvs, self.sends)
-        if theirs.get(key):
-            other = theirs[key].popleft()
-            send, recv = (post, other) if post.op == "send" else (other, post)
-            want = [tuple(s) for s in recv.header.get("want", [])]
-            got = [tuple(x.shape) for x in send.tensors]
-            if [torch.Size(w).numel() for w in want] != [torch.Size(g).numel() for g in got]:
-                msg = (f"{send.label} sends {got} but {recv.label} receives into {want}: a send and its recv must "
-                       "have the same size.")
-                self._event("mismatch", msg, [send.rank, recv.rank])
-                self._fail(send.rank, send.seq, msg)
-                self._fail(recv.rank, recv.seq, msg)
+        if post.peer == post.rank:
+            self._fail(post.rank, post.seq, f"{post.label}: a rank cannot send to or receive from itself (gloo cannot "
+                       "either): use the tensor you have (x.clone()) instead")
+            return
+        self._p2p_arrivals = getattr(self, "_p2p_arrivals", 0) + 1
+        post.arrival = self._p2p_arrivals
+        tag = int(post.header.get("tag", 0))
+        if any_source:
+            heads = [(q[0].arrival, key) for key, q in self.sends.items()
+                     if q and key[0] == group and key[2] == post.rank and key[3] == tag]
+            if not heads:
+                self.recvs.setdefault((group, -1, post.rank, tag), deque()).append(post)
                 return
-            n = sum(nbytes(x) for x in send.tensors)
-            t = len(post.ranks)
-            self._record(send, n, t)
-            self._record(recv, n, t, sent=0.0)
-            self._answer(send)
-            self._answer(recv, [x.reshape(w) for x, w in zip(send.tensors, want)])
+            self._match_p2p(self.sends[min(heads)[1]].popleft(), post)
+            return
+        src, dst = (post.rank, post.peer) if post.op == "send" else (post.peer, post.rank)
+        key = (group, src, dst, tag)
+        if post.op == "recv":
+            if self.sends.get(key):
+                self._match_p2p(self.sends[key].popleft(), post)
+            else:
+                self.recvs.setdefault(key, deque()).append(post)
+            return
+        waiting = [q for q in (self.recvs.get(key), self.recvs.get((group, -1, dst, tag))) if q]
+        if waiting:
+            self._match_p2p(post, min(waiting, key=lambda q: q[0].arrival).popleft())
         else:
-            mine.setdefault(key, deque()).append(post)
+            self.sends.setdefault(key, deque()).append(post)
+
+    def _match_p2p(self, send: Post, recv: Post):
+        """A send and the recv that takes it: checked, recorded for both, answered."""
+        want = [tuple(s) for s in recv.header.get("want", [])]
+        got = [tuple(x.shape) for x in send.tensors]
+        if [torch.Size(w).numel() for w in want] != [torch.Size(g).numel() for g in got]:
+            msg = (f"{send.label} sends {got} but {recv.label} receives into {want}: a send and its recv must "
+                   "have the same size.")
+            self._event("mismatch", msg, [send.rank, recv.rank])
+            self._fail(send.rank, send.seq, msg)
+            self._fail(recv.rank, recv.seq, msg)
+            return
+        n = sum(nbytes(x) for x in send.tensors)
+        t = len(send.ranks)
+        any_source = recv.peer < 0
+        recv.peer = send.rank                            # the record names the rank it came from
+        self._record(send, n, t)
+        self._record(recv, n, t, sent=0.0)
+        self._answer(send)
+        self._answer(recv, [x.reshape(w) for x, w in zip(send.tensors, want)],
+                     **({"src": send.ranks.index(send.rank)} if any_source else {}))
 
     # -- the record ------------------------------------------------------------------------------------------
     def write_record(self):
