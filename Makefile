@@ -16,7 +16,7 @@ E2E_DEPS := $(if $(wildcard mk/e2e.mk),e2e-deps,)
 # one-node SLURM, PostgreSQL gradebook, gpu-check (launch/slurm/, tests/test_cluster.py)
 -include mk/cluster.mk
 CLUSTER_DEPS := $(if $(wildcard mk/cluster.mk),cluster-deps,)
-# the course on JupyterHub: shared venv, configurable-http-proxy, `make hub` (launch/hub/, tests/test_hub.py)
+# the course on JupyterHub: shared venv, configurable-http-proxy, `make hub` (grader/hub/, tests/test_hub.py)
 -include mk/hub.mk
 HUB_DEPS := $(if $(wildcard mk/hub.mk),hub-deps,)
 

@@ -1,11 +1,11 @@
-# Included by the Makefile. The course on JupyterHub on this machine (launch/hub/, tests/test_hub.py):
+# Included by the Makefile. The course on JupyterHub on this machine (grader/hub/, tests/test_hub.py):
 #   make hub-deps  the shared venv $(HUB_VENV), built with a system Python every user can run (/usr/bin/python3,
 #                  not one under /root): the course venv's packages (copied when the Python minor versions match,
 #                  else installed from pip) + jupyterhub; the student install of the course (labs, tpkit, launch,
 #                  grader; no reference/, solutions/ or gradebook) on its path; a kernel that starts without the
 #                  hub's tokens; nbgrader's Exchange.root; the formgrader off by default (on for the instructor);
 #                  configurable-http-proxy from npm into $(HUB_PREFIX)/proxy
-#   make hub       start the hub as root (PAM users, LocalProcessSpawner): python launch/hub/start.py
+#   make hub       start the hub as root (PAM users, LocalProcessSpawner): python grader/hub/start.py
 HUB_PREFIX ?= /opt/tp-course
 HUB_VENV := $(HUB_PREFIX)/venv
 HUB_PYTHON ?= /usr/bin/python3
@@ -41,13 +41,13 @@ $(HUB_VENV)/.installed: $(VENV)/.installed mk/hub.mk
 	@# generate_feedback then fails on `img:not([alt])`): an older soupsieve where the system Python needs one
 	@$(HUB_VENV)/bin/python -c "import soupsieve; soupsieve.compile('img:not([alt])')" 2>/dev/null || \
 	  $(HUB_VENV)/bin/pip install -q "soupsieve<2.6"
-	$(HUB_VENV)/bin/python launch/hub/start.py --install-config
+	$(HUB_VENV)/bin/python grader/hub/start.py --install-config
 	@chmod -R a+rX $(HUB_PREFIX)
 	@touch $@
 
 # the student install: what a student's kernel and `python -m grader check` import, refreshed when the course changes
 $(HUB_VENV)/.course: $(HUB_VENV)/.installed $(shell find grader launch tpkit labs -type f -not -path '*__pycache__*' 2>/dev/null)
-	$(HUB_VENV)/bin/python launch/hub/start.py --install-course
+	$(HUB_VENV)/bin/python grader/hub/start.py --install-course
 	@touch $@
 
 $(HUB_PROXY):
@@ -56,4 +56,4 @@ $(HUB_PROXY):
 	@chmod -R a+rX $(HUB_PREFIX)/proxy
 
 hub: hub-deps
-	$(HUB_VENV)/bin/python launch/hub/start.py
+	$(HUB_VENV)/bin/python grader/hub/start.py

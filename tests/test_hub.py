@@ -1,7 +1,7 @@
-"""The course on a real JupyterHub (launch/hub/, `make hub-deps`), on a loopback port, with real accounts.
+"""The course on a real JupyterHub (grader/hub/, `make hub-deps`), on a loopback port, with real accounts.
 
 Two students and an instructor are made with useradd (removed at the end), the hub is started by
-launch/hub/start.py, and everything goes through the hub's REST API with tokens and then each user's own Jupyter
+grader/hub/start.py, and everything goes through the hub's REST API with tokens and then each user's own Jupyter
 server (its kernels, contents and nbgrader's Assignments-tab API), each running as that account:
 
 - the hub's grading service (run as the instructor) grades a student's `python -m grader check`;
@@ -69,7 +69,7 @@ def _skip_reason() -> str | None:
 
 
 class Hub:
-    """A hub started by launch/hub/start.py; REST calls with tokens; code run in a user's kernel."""
+    """A hub started by grader/hub/start.py; REST calls with tokens; code run in a user's kernel."""
 
     def __init__(self, port: int, service_token: str):
         self.url = f"http://127.0.0.1:{port}"

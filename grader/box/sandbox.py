@@ -10,7 +10,9 @@ A box is a bubblewrap command prefix (`Sandbox.prefix`). What runs inside:
 - runs as a real unprivileged user (uid 65534) when the grader runs as root: file access outside
   the box is checked against that uid, not the instructor's (the ranks drop to it right after fork,
   the kernel and torchrun through `setpriv`). Run as another user, it keeps that user's identity
-  and sees only the allowlist;
+  and sees only the allowlist. As root, the box's /etc/passwd and /etc/group are its own (`identity_files`):
+  the unprivileged user and each grading rank's uid (`launch.isolation.rank_uid`) have names and a home, the
+  box's writable folder (a rank's own out/), so pwd, getpass, `~` and tempfile work as on any machine;
 - reaches no network but its own loopback (a new network namespace), has its own PID, IPC and UTS
   namespaces, dies with its parent, gets a clean environment (an allowlist of variables, and never one
   whose name could carry a secret: `clean_env`);
@@ -31,10 +33,12 @@ import re
 import shutil
 import site
 import sys
+import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field
 
 from grader import ROOT
+from launch.isolation import rank_name, rank_uid
 from launch.runner import kill_until_gone
 
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -116,6 +120,25 @@ def _ancestors(path: str) -> list[str]:
     return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
+RANK_NAMES = 256        # ranks of a job named in the box's /etc/passwd (a job has at most a few)
+
+
+def identity_files(folder: str, uid: int, home: str) -> tuple[str, str]:
+    """The box's own /etc/passwd and /etc/group, written in `folder`: root, the box's unprivileged user `uid` and each
+    grading rank's own uid below it, named (rank r is `rank{r}`, its group the same), their home `home` (a rank's is
+    its own out/, at that same path in each rank's mount namespace). The machine's accounts are not in them."""
+    users = [("root", 0, "/root"), ("nobody" if uid == NOBODY else "grader-box", uid, home)]
+    users += [(rank_name(r), rank_uid(uid, r), home) for r in range(RANK_NAMES) if rank_uid(uid, r) > 0]
+    passwd, group = os.path.join(folder, "passwd"), os.path.join(folder, "group")
+    with open(passwd, "w") as f:
+        f.writelines(f"{name}:x:{u}:{u}:{name}:{h}:/usr/sbin/nologin\n" for name, u, h in users)
+    with open(group, "w") as f:
+        f.writelines(f"{'nogroup' if u == NOBODY else name}:x:{u}:\n" for name, u, _ in users)
+    for path in (folder, passwd, group):
+        os.chmod(path, 0o755 if path == folder else 0o644)
+    return passwd, group
+
+
 def unprivileged_uid() -> int | None:
     """The uid student code runs as: nobody when we are root, else None (keep our own identity)."""
     return NOBODY if os.geteuid() == 0 else None
@@ -164,6 +187,7 @@ class Sandbox:
     notes: list[str] = field(default_factory=list)
     cgroups: list[str] = field(default_factory=list)
     uid: int | None = None
+    etc: str | None = None          # the folder of the box's own /etc/passwd and /etc/group (`identity_files`)
 
     def __enter__(self) -> "Sandbox":
         if self.mode not in ("auto", "on", "off"):
@@ -215,6 +239,10 @@ class Sandbox:
                 args += ["--symlink", os.readlink(path), path]
             elif os.path.isdir(path):
                 args += ["--ro-bind", path, path]
+        if self.uid is not None and os.path.isdir("/etc") and not os.path.islink("/etc"):   # its own accounts
+            self.etc = tempfile.mkdtemp(prefix="grader-box-etc-")
+            for src in identity_files(self.etc, self.uid, self.chdir or "/tmp"):
+                args += ["--ro-bind", src, os.path.join("/etc", os.path.basename(src))]
         args += ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--size", str(self.limits.tmp_bytes),
                  "--tmpfs", "/tmp"]
         for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"):
@@ -289,6 +317,9 @@ class Sandbox:
             except OSError:
                 pass
         self.cgroups = []
+        if self.etc:
+            shutil.rmtree(self.etc, ignore_errors=True)
+            self.etc = None
         return False
 
     def describe(self) -> dict:

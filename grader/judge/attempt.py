@@ -19,10 +19,10 @@ import tempfile
 from grader import ROOT
 from grader.rank.exchange import SWITCHBOARD_VERDICT, JobSpec, RankRecord, participants, records_from_saved, world_of
 from grader.box.sandbox import Sandbox, give_to
-from grader.judge import dtensor_tables
+from grader.judge import dtensor_tables, inductor_seed
 from grader.judge.timeouts import KILL_GRACE, PG_TIMEOUT, STOP_GRACE
 from launch.backend import fork_launcher_likely
-from launch.isolation import capped_tmpfs, share, unmount
+from launch.isolation import capped_tmpfs, flock_keeper_available, share, unmount
 from tpkit.progress import UnsafeFile, read_progress, read_regular
 
 
@@ -69,6 +69,10 @@ class Attempt:
                 self.box.degrade(f"the ranks' seccomp filter is written for x86-64, not {platform.machine()}, so ranks "
                                  "could still meet through file locks, inotify watches or the kernel keyring: grade "
                                  "on an x86-64 machine")
+            elif self.isolated and not flock_keeper_available():     # closed, not open: a note, never a refusal
+                self.box.notes.append("this kernel has no pidfd_getfd (Linux 5.6), so the ranks' flock is refused on "
+                                      "every file, their own too (torch.compile's caches and filelock then fail): "
+                                      "grade on Linux 5.6 or later")
             self._cap_out()
         except BaseException:
             self._release()
@@ -164,6 +168,8 @@ class Attempt:
         # and knows which ranks run each item: a collective beyond them is refused
         items = [{"id": it.id, "group": participants(it.t, self.world)} for it in spec.items]
         job_env = {"COURSE_ITEMS": json.dumps(items)} if self.switchboard else {}
+        if self.isolated:           # each rank's own torch.compile cache starts warm (its own copy)
+            job_env.update(inductor_seed.job_env(spec.student, self.jobdir))
         try:
             self._cap_ranks()
             if self.launch is None:

@@ -14,6 +14,7 @@ import torch
 
 from grader.judge.case import Case, Contract
 from grader.rank.exchange import SWITCHBOARD_VERDICT, Item, RankRecord
+from launch.isolation import refusal_in
 from tpkit.course_imports import NOT_AT_GRADING
 
 
@@ -196,6 +197,10 @@ def describe_error(tb: str, rank, res: RankRecord | None = None) -> str:
         return last.split(":", 1)[1].strip()        # the same picture on every waiting rank: said once
     if last.startswith(("GradingError:", "grader.rank.context.GradingError:")):
         return f"rank {rank}: " + last.split(":", 1)[1].strip()
+    refused = refusal_in(tb)
+    if refused:                                     # a call the grading box refuses (launch.isolation.REFUSED)
+        what, why = refused
+        return f"rank {rank}: the grading box refused {what}: {why}.\n{tb.rstrip()}"
     if is_comm_error(tb):
         where = last_collective(res)
         kind = "timed out" if "timeout" in last.lower() or "timed out" in last.lower() else "lost its peers"

@@ -1,8 +1,8 @@
 """Start the course's JupyterHub on this machine, and install what it needs (run as root).
 
-    python launch/hub/start.py                   start the hub (`make hub`): launch/hub/jupyterhub_config.py
-    python launch/hub/start.py --install-config  (`make hub-deps`) the shared venv's Jupyter and nbgrader config
-    python launch/hub/start.py --install-course  (`make hub-deps`) the student install of the course
+    python grader/hub/start.py                   start the hub (`make hub`): grader/hub/jupyterhub_config.py
+    python grader/hub/start.py --install-config  (`make hub-deps`) the shared venv's Jupyter and nbgrader config
+    python grader/hub/start.py --install-course  (`make hub-deps`) the student install of the course
 
 The hub (PAM accounts, LocalProcessSpawner) starts each user's Jupyter server from the **shared venv**
 `$HUB_PREFIX/venv`, built by `make hub-deps` with a system Python every account can run (`/usr/bin/python3`; a
@@ -12,7 +12,7 @@ venv on a Python under /root would be unreadable to students). In that venv:
   `grader/`), never `reference/`, `solutions/` or a gradebook;
 - `etc/jupyter/nbgrader_config.py`: nbgrader's `Exchange.root` for every user (`$COURSE_EXCHANGE_ROOT`, which the
   hub sets from `HUB_EXCHANGE`; nbgrader 0.9.6's own default is /usr/local/share/nbgrader/exchange);
-  and `ExchangeFactory.submit` (`launch/hub/exchange.py`, installed as `tp_course_exchange`: a submission readable by the instructor's group only);
+  and `ExchangeFactory.submit` (`grader/hub/exchange.py`, installed as `tp_course_exchange`: a submission readable by the instructor's group only);
 - `etc/jupyter/jupyter_server_config.d/nbgrader.json`: the Assignments tab (assignment_list, course_list,
   validate_assignment) on, the formgrader off; the instructor's server turns it on from `$HUB_PREFIX/instructor`;
 - `etc/jupyter/jupyter_server_config.py`: terminals start `bash -i` (not a login shell, which would reset `PATH`
@@ -99,7 +99,7 @@ def install_config(s: SimpleNamespace) -> None:
     """Write the shared venv's config (run with the shared venv's python, by `make hub-deps`)."""
     etc = os.path.join(sys.prefix, "etc", "jupyter")
     _write(os.path.join(etc, "nbgrader_config.py"),
-           '"""Every user of the hub: the course\'s nbgrader exchange (written by launch/hub/start.py)."""\n'
+           '"""Every user of the hub: the course\'s nbgrader exchange (written by grader/hub/start.py)."""\n'
            "import os\n\nc = get_config()  # noqa: F821\n"
            f'c.Exchange.root = os.environ.get("COURSE_EXCHANGE_ROOT", "{DEFAULT_EXCHANGE}")\n'
            'c.CourseDirectory.course_id = "tp-course"\n'
@@ -112,7 +112,7 @@ def install_config(s: SimpleNamespace) -> None:
                                 "nbgrader.server_extensions.validate_assignment": True}}}, indent=2) + "\n")
     unset = [a for k in HUB_ENV_UNSET for a in ("-u", k)]
     _write(os.path.join(etc, "jupyter_server_config.py"),
-           '"""The hub\'s users (launch/hub/start.py): terminals keep the spawner\'s PATH and get no hub token."""\n'
+           '"""The hub\'s users (grader/hub/start.py): terminals keep the spawner\'s PATH and get no hub token."""\n'
            "c = get_config()  # noqa: F821\n"
            f"c.ServerApp.terminado_settings = {{'shell_command': {['/usr/bin/env', *unset, '/bin/bash', '-i']!r}}}\n")
     kernel = os.path.join(sys.prefix, "share", "jupyter", "kernels", "python3")
@@ -144,7 +144,7 @@ def install_course(s: SimpleNamespace) -> None:
         for part in STUDENT_PARTS:
             shutil.copytree(os.path.join(REPO, part), os.path.join(dest, part),
                             ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints"))
-    # launch/hub/exchange.py as a top-level module: importing it through `launch` would import torch
+    # grader/hub/exchange.py as a top-level module: a student install has no grader/hub
     shutil.copy(os.path.join(HERE, "exchange.py"), os.path.join(dest, "tp_course_exchange.py"))
     _write(os.path.join(sysconfig.get_path("purelib"), "tp_course_student.pth"), dest + "\n")
     for d, dirs, files in os.walk(dest):

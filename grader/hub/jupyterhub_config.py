@@ -1,4 +1,4 @@
-"""JupyterHub for the course on one machine (started as root by launch/hub/start.py, `make hub`).
+"""JupyterHub for the course on one machine (started as root by grader/hub/start.py, `make hub`).
 
 PAM accounts log in; LocalProcessSpawner starts each one's Jupyter server as that account from the shared venv
 (`$HUB_PREFIX/venv`, `make hub-deps`), with that venv first on PATH (kernels and terminals), nbgrader's exchange
