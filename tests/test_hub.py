@@ -42,8 +42,7 @@ import pytest
 from grader import ROOT
 
 pytestmark = pytest.mark.xdist_group("hub")   # one hub, its accounts and ports, on one xdist worker
-sys.path.insert(0, os.path.join(ROOT, "launch", "hub"))
-from start import settings  # noqa: E402
+from grader.hub.start import settings  # noqa: E402
 
 WEEK, LAB = "week02", "tp_linear.ipynb"
 S = settings()
@@ -205,7 +204,7 @@ def hub():
                    HUB_GROUP=f"tpg{sfx}", HUB_GRADING_DIR=os.path.join(tmp, "grading"))
         env.pop("HUB_COURSE", None)
         env.pop("PYTHONPATH", None)
-        proc = subprocess.Popen([os.path.join(S.venv, "bin", "python"), os.path.join(ROOT, "launch", "hub", "start.py")],
+        proc = subprocess.Popen([os.path.join(S.venv, "bin", "python"), os.path.join(ROOT, "grader", "hub", "start.py")],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         h = Hub(port, token)
         deadline = time.monotonic() + 60

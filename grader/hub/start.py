@@ -48,7 +48,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 CONFIG = os.path.join(HERE, "jupyterhub_config.py")
 DEFAULT_EXCHANGE = "/usr/local/share/nbgrader/exchange"      # nbgrader 0.9.6's Exchange.root default
-STUDENT_PARTS = ("grader", "launch", "tpkit", "labs")         # never reference/, solutions/, a gradebook
 SECRET_PREFIXES = ("JUPYTERHUB_", "JPY_")
 SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
 # the kernel: its environment without the hub's variables, then ipykernel as usual
@@ -132,18 +131,8 @@ def install_course(s: SimpleNamespace) -> None:
     """Copy the student install into the shared venv and put it on the venv's path."""
     dest = os.path.join(sys.prefix, "course")
     sys.path.insert(0, REPO)
-    try:      # the course's own student install: labs, tpkit, launch, the rank side; no cases, judge or reference
-        from grader.tools.grading_service import student_install
-    except ImportError:
-        student_install = None
-    if student_install is not None:
-        student_install(dest, force=True)
-    else:     # a course without one: labs, tpkit, launch, grader (still no reference/, solutions/, gradebook)
-        shutil.rmtree(dest, ignore_errors=True)
-        os.makedirs(dest)
-        for part in STUDENT_PARTS:
-            shutil.copytree(os.path.join(REPO, part), os.path.join(dest, part),
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints"))
+    from grader.tools.grading_service import student_install   # labs, tpkit, launch, the rank entry; no answer
+    student_install(dest, force=True)
     # grader/hub/exchange.py as a top-level module: a student install has no grader/hub
     shutil.copy(os.path.join(HERE, "exchange.py"), os.path.join(dest, "tp_course_exchange.py"))
     _write(os.path.join(sysconfig.get_path("purelib"), "tp_course_student.pth"), dest + "\n")
