@@ -266,24 +266,31 @@ def _reduce_to_root(tensors, pg, op, root_rank, root_tensor=0, async_op=True, ti
     return _post(pg, "reduce", tensors, _copy_into(tensors), tensors, root=root_rank, **fields).boxed()
 
 
+def _root_list(op: str, lists, mine, is_root: bool, t: int, words: tuple[str, str, str]) -> list:
+    """The root's list of one tensor per rank (gather's outputs, scatter's inputs), each like this rank's own
+    `mine`, checked as gloo checks it; [] on any other rank, which must pass none. words: (the list's side, `mine`'s
+    side, the root's name)."""
+    side, other, root = words
+    if not is_root:
+        if lists and any(len(x) for x in lists):
+            raise GlooRefuses(f"{op}: only the {root} rank takes a {op} list (pass {op}_list=None elsewhere)")
+        return []
+    if len(lists) != 1 or len(lists[0]) != t:
+        n = len(lists[0]) if len(lists) == 1 else len(lists)
+        raise GlooRefuses(f"{op}: Incorrect {side} list size {n}. {side.capitalize()} list size should be {t}, same as "
+                          f"size of the process group (one tensor per rank: gloo takes no stacked {side})")
+    for i, x in enumerate(lists[0]):
+        _same_meta(op, x, mine, (f"{side} tensor {i}", f"the {other}"))
+    return list(lists[0])
+
+
 def _gather(output_tensors, input_tensors, pg, root_rank, async_op=True, timeout=-1):
     g = _group(pg)
     t = g.size()
     if len(input_tensors) != 1:
         raise GlooRefuses(f"gather: {len(input_tensors)} input tensors, not one")
     inp = input_tensors[0]
-    if g.rank() == root_rank:
-        if len(output_tensors) != 1 or len(output_tensors[0]) != t:
-            n = len(output_tensors[0]) if len(output_tensors) == 1 else len(output_tensors)
-            raise GlooRefuses(f"gather: Incorrect output list size {n}. Output list size should be {t}, same as size "
-                              "of the process group (one tensor per rank: gloo takes no stacked output)")
-        for i, o in enumerate(output_tensors[0]):
-            _same_meta("gather", o, inp, (f"output tensor {i}", "the input"))
-        outs = list(output_tensors[0])
-    elif output_tensors and any(len(o) for o in output_tensors):
-        raise GlooRefuses("gather: only the destination rank takes a gather list (pass gather_list=None elsewhere)")
-    else:
-        outs = []
+    outs = _root_list("gather", output_tensors, inp, g.rank() == root_rank, t, ("output", "input", "destination"))
     return _post(pg, "gather", [inp], _copy_into(outs), outs, root=root_rank).boxed()
 
 
@@ -293,18 +300,8 @@ def _scatter(output_tensors, input_tensors, pg, root_rank, async_op=True, timeou
     if len(output_tensors) != 1:
         raise GlooRefuses(f"scatter: {len(output_tensors)} output tensors, not one")
     out = output_tensors[0]
-    if g.rank() == root_rank:
-        if len(input_tensors) != 1 or len(input_tensors[0]) != t:
-            n = len(input_tensors[0]) if len(input_tensors) == 1 else len(input_tensors)
-            raise GlooRefuses(f"scatter: Incorrect input list size {n}. Input list size should be {t}, same as size "
-                              "of the process group (one tensor per rank: gloo takes no stacked input)")
-        for i, x in enumerate(input_tensors[0]):
-            _same_meta("scatter", x, out, (f"input tensor {i}", "the output"))
-        parts = list(input_tensors[0])
-    elif input_tensors and any(len(x) for x in input_tensors):
-        raise GlooRefuses("scatter: only the source rank takes a scatter list (pass scatter_list=None elsewhere)")
-    else:
-        parts = [torch.empty(0, dtype=out.dtype)]           # nothing sent: the dtype says what it receives
+    parts = _root_list("scatter", input_tensors, out, g.rank() == root_rank, t, ("input", "output", "source")) \
+        or [torch.empty(0, dtype=out.dtype)]                # nothing sent: the dtype says what it receives
     work = _post(pg, "scatter", parts, _copy_into([out]), [out], root=root_rank, want=[list(out.shape)])
     return output_tensors, work.boxed()
 
