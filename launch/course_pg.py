@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from launch.course_kernels import KERNELS, SPARSE_KERNELS, script_op, unbox
-from launch.wire import encode, read_frame
+from launch.wire import ALIGN, SHM_MIN, Arena, arena_layout, encode, encode_shared, read_frame
 
 BACKEND = "course"
 
@@ -33,14 +33,53 @@ class Deadlock(BaseException):
     """The switchboard saw every rank blocked or done: this wait can never complete."""
 
 
-class Link:
-    """This rank's socket to the switchboard: posts, and a reader thread that completes them."""
+class ArenaSpace:
+    """Which bytes of this rank's arena hold a post that is not answered yet: first fit, freed at the answer."""
 
-    def __init__(self, fd: int):
+    def __init__(self, size: int):
+        self.free = [(0, size)]                 # (offset, bytes), by offset, never touching
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> int | None:
+        with self.lock:
+            for i, (at, room) in enumerate(self.free):
+                if room >= n:
+                    self.free[i:i + 1] = [(at + n, room - n)] if room > n else []
+                    return at
+        return None
+
+    def give(self, at: int, n: int):
+        with self.lock:
+            spans = sorted(self.free + [(at, n)])
+            merged = [spans[0]]
+            for start, room in spans[1:]:
+                last, last_room = merged[-1]
+                if last + last_room == start:
+                    merged[-1] = (last, last_room + room)
+                else:
+                    merged.append((start, room))
+            self.free = merged
+
+
+def _span(tensors) -> int:
+    """The arena bytes `tensors` take (tensors only: a coalesced op's nested lists are not sent there)."""
+    if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in tensors):
+        return -1
+    return arena_layout([(t.dtype, list(t.shape)) for t in tensors])[1]
+
+
+class Link:
+    """This rank's socket to the switchboard: posts, and a reader thread that completes them. A large post's tensors
+    go through the rank's arena (`launch.wire.Arena`), where the answer comes back, in room the post reserves for the
+    larger of the two."""
+
+    def __init__(self, fd: int, arena: Arena | None = None):
         self.sock = socket.socket(fileno=fd)
+        self.arena = arena
+        self.space = ArenaSpace(arena.size) if arena else None
         self.send_lock = threading.Lock()
         self.seq = 0
-        self.pending: dict[int, tuple] = {}     # seq -> (work, deliver)
+        self.pending: dict[int, tuple] = {}     # seq -> (work, deliver, (arena offset, bytes) or None)
         self.replies: list = []
         self.reply_ready = threading.Condition()
         self.phase = lambda: "setup"            # the harness names the phase its collectives are in
@@ -63,11 +102,22 @@ class Link:
             seq = self.seq
         self._let_go()
         work = CourseWork(self, seq, header["op"], result)
-        self.pending[seq] = (work, deliver)
+        header = {**header, "k": "op", "seq": seq, "phase": self.phase()}
+        # room for the larger of what it sends and what comes back, each answer tensor aligned (an all-to-all's come
+        # in as many pieces as the group has ranks)
+        room = max(_span(tensors), _span(result)) + ALIGN * len(header["ranks"]) \
+            if self.space and "sparse" not in header else -1
+        at = self.space.take(room) if room >= SHM_MIN else None
+        self.pending[seq] = (work, deliver, None if at is None else (at, room))
         self.works.append(work)     # alive while torch holds it: a collected Python Work would wait forever
         if work.outputs:
             self.holding.append(work)
-        self._send({**header, "k": "op", "seq": seq, "phase": self.phase()}, tensors)
+        if at is None:
+            self._send(header, tensors)
+        else:
+            frame = encode_shared({**header, "room": room}, tensors, self.arena, at)
+            with self.send_lock:
+                self.sock.sendall(frame)
         return work
 
     def _let_go(self):
@@ -100,30 +150,36 @@ class Link:
     def _read(self):
         try:
             while True:
-                frame = read_frame(self.sock)
+                frame = read_frame(self.sock, self.arena)
                 if frame is None:
                     break
                 header, tensors = frame
                 kind = header.get("k")
                 if kind in ("done", "error"):
-                    work, deliver = self.pending.pop(header["seq"])
+                    work, deliver, room = self.pending.pop(header["seq"])
+                    try:
+                        if kind == "done":
+                            if type(header.get("src")) is int:     # a recv from any source: whose send it got
+                                work.source = header["src"]
+                            deliver(tensors)          # copies out of the arena: its room is free after
+                    finally:
+                        del tensors, frame
+                        if room is not None:
+                            self.space.give(*room)
                     if kind == "done":
-                        if type(header.get("src")) is int:     # a recv from any source: whose send it got
-                            work.source = header["src"]
-                        deliver(tensors)
                         work._finish(None)
                     else:
                         err = Deadlock if header.get("deadlock") else RuntimeError
                         work._finish(err(header.get("msg", "the collective failed")))
                     # no reference kept here: a buffer the student drops must be freed (week 8 counts them)
-                    del work, deliver, tensors, frame
+                    del work, deliver
                 else:
                     with self.reply_ready:
                         self.replies.append((header, tensors))
                         self.reply_ready.notify_all()
         finally:
             self.closed = "the switchboard closed this rank's link"
-            for work, _ in list(self.pending.values()):
+            for work, _, _ in list(self.pending.values()):
                 work._finish(RuntimeError(self.closed))
             with self.reply_ready:
                 self.reply_ready.notify_all()
@@ -273,14 +329,16 @@ _LINK: Link | None = None
 
 
 def link() -> Link:
-    """This process's link (made from COURSE_SWITCHBOARD_FD, once: the variable is gone after)."""
+    """This process's link (made from COURSE_SWITCHBOARD_FD and COURSE_ARENA_FD, once: the variables are gone
+    after)."""
     global _LINK
     if _LINK is None:
         fd = os.environ.pop("COURSE_SWITCHBOARD_FD", None)
+        arena = os.environ.pop("COURSE_ARENA_FD", None)
         if fd is None:
             raise RuntimeError("the course backend runs only in a rank whose launcher has a switchboard "
                                "(COURSE_SWITCHBOARD=folder for python -m launch.forkrun)")
-        _LINK = Link(int(fd))
+        _LINK = Link(int(fd), Arena(int(arena)) if arena else None)
     return _LINK
 
 

@@ -83,13 +83,25 @@ def drop_privileges():
     os.setresuid(uid, uid, uid)
 
 
-def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd, board_fd):
+def _close_other_arenas(own: int):
+    """Close every other rank's arena: its descriptor and the duplicate its mmap keeps (Python's mmap holds one)."""
+    mine = os.fstat(own).st_ino
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:rank") and os.fstat(fd).st_ino != mine:
+                os.close(fd)
+        except OSError:             # the listing's own descriptor, gone
+            pass
+
+
+def _rank_main(rank, nproc, port, run_id, target, is_module, args, write_fd, board_fd, arena_fd):
     apply_rlimits()
     if board_fd is not None:     # the switchboard carries this rank's collectives; it holds the inputs too
-        os.environ["COURSE_SWITCHBOARD_FD"] = str(board_fd)
+        os.environ.update(COURSE_SWITCHBOARD_FD=str(board_fd), COURSE_ARENA_FD=str(arena_fd))
         if os.environ.pop("COURSE_ISOLATE", None):     # each rank alone (the grader's box, as root)
             from launch.isolation import close_inherited, isolate, rank_uid
-            close_inherited({write_fd, board_fd})
+            close_inherited({write_fd, board_fd, arena_fd})
             uid = rank_uid(int(os.environ["COURSE_RANK_UID"]), rank)
             isolate(rank, os.getcwd(), uid)
             os.environ.update(COURSE_RANK_UID=str(uid), USER=f"rank{rank}")
@@ -180,26 +192,29 @@ class Ranks:
         self.board = Switchboard(self.sel, load_inputs(template, self.nproc) if template else {}, items, record_dir)
 
     def fork_all(self, target: str, is_module: bool, args: list[str]):
+        from launch.wire import Arena
         port, run_id = free_port(), uuid.uuid4().hex[:8]
         for rank in range(self.nproc):
             r, w = os.pipe()
             mine, theirs = socket.socketpair() if self.board else (None, None)
+            arena = Arena.create(f"rank{rank}") if self.board else None
             pid = os.fork()
             if pid == 0:
                 os.close(r)
                 for other in self.bufs:                                  # no rank holds another's pipe
                     os.close(other)
-                board_fd = None
-                if self.board:                                           # ... nor another's link
+                board_fd = arena_fd = None
+                if self.board:                 # ... nor another's link or arena (nor its mapping: Arena.create)
                     for fd in list(self.board.conns):
                         os.close(fd)
+                    _close_other_arenas(arena.fd)
                     mine.close()
-                    board_fd = theirs.detach()
-                _rank_main(rank, self.nproc, port, run_id, target, is_module, args, w, board_fd)
+                    board_fd, arena_fd = theirs.detach(), arena.fd
+                _rank_main(rank, self.nproc, port, run_id, target, is_module, args, w, board_fd, arena_fd)
             os.close(w)
             if self.board:
                 theirs.close()
-                self.board.attach(rank, mine)
+                self.board.attach(rank, mine, arena)
             self.pids[pid] = rank
             self.bufs[r] = (rank, b"")
             self.sel.register(r, selectors.EVENT_READ)

@@ -34,8 +34,9 @@ from collections import deque
 
 import torch
 
-from launch.collectives import P2P, disagreement, nbytes, outcome
-from launch.wire import MAX_PAYLOAD, MAX_TENSORS, BadFrame, FrameReader, encode, shape_error
+from launch.collectives import P2P, REDUCING, disagreement, nbytes, outcome
+from launch.wire import MAX_PAYLOAD, MAX_TENSORS, Arena, BadFrame, FrameReader, arena_layout, encode, encode_shared, \
+    shape_error
 from tpkit.ledger import ring_bytes_sent
 
 MAX_PHASE = 40
@@ -110,6 +111,19 @@ def deadlock_message(states: list[tuple]) -> str:
     return "deadlock: " + "; ".join(parts) + ". " + why
 
 
+def _room(header: dict, tensors: list) -> tuple[int, int] | None:
+    """Where in its arena a post's answer goes: the room the rank reserved there, which must hold its tensors (the
+    arena's bounds were checked when they were read, `launch.wire.Arena.views`)."""
+    if "shm" not in header:
+        return None
+    at, room = header["shm"], _int(header, "room")
+    if "sparse" in header:       # its indices are checked, then used: they must be the switchboard's own copy
+        raise malformed("a sparse tensor in the arena (it goes on the socket)")
+    if room < arena_layout([(x.dtype, list(x.shape)) for x in tensors])[1]:
+        raise malformed("`room` is smaller than the tensors the post put in its arena")
+    return at, room
+
+
 class Post:
     """One collective a rank posted: its header (op, group, the phase the rank names) and its tensors."""
 
@@ -132,14 +146,15 @@ class Post:
         peer = header.get("peer", -1)
         self.peer = self.ranks[peer] if self.op in P2P and 0 <= peer < len(self.ranks) else -1
         self.nbytes = sum(nbytes(x) for x in tensors)      # what the switchboard holds until the post is answered
+        self.room = _room(header, tensors)                 # (offset, bytes) of the rank's arena it reserved, or None
         self.label = ""          # "all_reduce #2 (forward)", once numbered
         self.order = 0           # its place in the rank's posts of this item, counted by the switchboard
 
 
 class Conn:
-    def __init__(self, rank: int, sock):
-        self.rank, self.sock = rank, sock
-        self.reader = FrameReader()
+    def __init__(self, rank: int, sock, arena: Arena | None):
+        self.rank, self.sock, self.arena = rank, sock, arena
+        self.reader = FrameReader(arena)
         self.out = bytearray()
         self.gone = False
         self.handed = 0          # bytes of results this rank has handed over in this launch
@@ -158,9 +173,10 @@ class Switchboard:
         os.makedirs(record_dir, mode=0o700, exist_ok=True)
 
     # -- connections ---------------------------------------------------------------------------------------
-    def attach(self, rank: int, sock):
+    def attach(self, rank: int, sock, arena: Arena | None = None):
+        """`arena`: the rank's shared memory with this launcher (`launch.wire.Arena`), for its large payloads."""
         sock.setblocking(False)
-        conn = Conn(rank, sock)
+        conn = Conn(rank, sock, arena)
         self.conns[sock.fileno()] = conn
         self.sel.register(sock.fileno(), 1, ("switchboard", rank))   # EVENT_READ
 
@@ -216,11 +232,15 @@ class Switchboard:
                 return rank if group is None else group.index(rank)
         return rank
 
-    def _send(self, rank: int, header: dict, tensors=()):
+    def _send(self, rank: int, header: dict, tensors=(), room: tuple[int, int] | None = None):
+        """`room`: where in the rank's arena the tensors go, if they fit (else on the socket)."""
         conn = self._conn(rank)
         if conn is None or conn.gone:
             return
-        conn.out += encode(header, tensors)
+        if room and tensors and arena_layout([(x.dtype, list(x.shape)) for x in tensors])[1] <= room[1]:
+            conn.out += encode_shared(header, tensors, conn.arena, room[0])
+        else:
+            conn.out += encode(header, tensors)
         self._flush(conn)
 
     def _flush(self, conn: Conn):
@@ -405,7 +425,7 @@ class Switchboard:
         self.open_posts.get(post.rank, {}).pop(post.seq, None)
         if self.blocked.get(post.rank) == post.seq:
             del self.blocked[post.rank]
-        self._send(post.rank, {"k": "done", "seq": post.seq, **fields}, tensors)
+        self._send(post.rank, {"k": "done", "seq": post.seq, **fields}, tensors, post.room)
 
     def _fail(self, rank: int, seq: int, msg: str, deadlock: bool = False):
         self.open_posts.get(rank, {}).pop(seq, None)
@@ -439,6 +459,11 @@ class Switchboard:
             for p in posts:
                 self._fail(p.rank, p.seq, msg)
             return
+        if posts[0].op not in REDUCING and any(p.room for p in posts):
+            # an answer made of a rank's input (an all-gather's parts) must not be read from its arena once that rank
+            # has its answer: it may write its next post there at once
+            for p in posts:
+                p.tensors = [x.clone() for x in p.tensors]
         for p, (answer, full_bytes, extra) in zip(posts, outcome(posts)):
             self._record(p, full_bytes, len(posts), **extra)
             self._answer(p, answer)
@@ -497,9 +522,10 @@ class Switchboard:
         recv.peer = send.rank                            # the record names the rank it came from
         self._record(send, n, t)
         self._record(recv, n, t, sent=0.0)
-        self._answer(send)
+        # the recv first: the sender may reuse its arena as soon as it has its answer
         self._answer(recv, [x.reshape(w) for x, w in zip(send.tensors, want)],
                      **({"src": send.ranks.index(send.rank)} if any_source else {}))
+        self._answer(send)
 
     # -- the record ------------------------------------------------------------------------------------------
     def write_record(self):

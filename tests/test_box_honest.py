@@ -101,7 +101,15 @@ HONEST = textwrap.dedent(r'''
                 "first_s": round(first, 2), "first_cpu_s": round(cpu, 2), "again_s": round(again, 4), "cache": cache,
                 "cached_files": sum(len(fs) for _, _, fs in _os.walk(cache))}
 
+    def _arena():
+        from launch.course_pg import link
+        a = link().arena
+        a.bytes[:4] = 7
+        mapped = sorted({ln.split()[-2] for ln in open("/proc/self/maps") if "memfd:" in ln})
+        return {"bytes": a.size, "wrote": int(a.bytes[3]), "mapped": mapped}
+
     _fact("uid", _os.getuid)
+    _fact("arena", _arena)
     _fact("pw_name", lambda: _pwd.getpwuid(_os.getuid()).pw_name)
     _fact("pw_dir", lambda: _pwd.getpwuid(_os.getuid()).pw_dir)
     _fact("by_name", lambda: _pwd.getpwnam(f"rank{_r}").pw_uid)
@@ -354,6 +362,16 @@ def test_a_rank_has_a_name_and_a_home_of_its_own(honest):
         assert f["pw_dir"] == f["home"] == f["HOME"] == f["cwd"], f
         assert f["cwd"].endswith("/out") and f["tempdir"] == "/tmp", f
         assert f["writes home"] is True and f["writes tempdir"] is True, f
+
+
+@needs_box
+def test_a_rank_maps_its_own_arena_and_no_other(honest):
+    """The shared memory a rank's large payloads go through (launch.wire.Arena) maps and takes writes in the box;
+    no other rank's is mapped there."""
+    from launch.wire import ARENA_BYTES
+    rep, msg, facts = honest
+    for r, f in facts.items():
+        assert f["arena"] == {"bytes": ARENA_BYTES, "wrote": 7, "mapped": [f"/memfd:rank{r}"]}, f
 
 
 @needs_box

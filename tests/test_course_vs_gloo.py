@@ -85,8 +85,9 @@ FORCED_4 = """
     test_scatter_group test_gather_group test_all_gather_group test_all_gather_coalesced_group
     test_all_to_all_single_equal_split_group test_all_to_all_single_unequal_split_group test_barrier_group
 """.split()
-CHECKS = ["x_futures", "x_ddp_three_steps", "x_bitwise", "x_distribute_tensor", "x_strided_view", "x_reduce_elsewhere"]
-COURSE_CHECKS = ["x_course_rejects", "x_course_rooted"]
+CHECKS = ["x_futures", "x_ddp_three_steps", "x_bitwise", "x_distribute_tensor", "x_strided_view", "x_reduce_elsewhere",
+          "x_large_payloads"]
+COURSE_CHECKS = ["x_course_rejects", "x_course_rooted", "x_course_arena"]
 
 # where the course backend answers differently from gloo on purpose: "method" or "method[key]", "@N" when only at N
 # ranks -> why
@@ -361,6 +362,65 @@ def x_strided_view(case):
     return b.tolist()
 
 
+def x_large_payloads(case):
+    """Every op on payloads past the arena's threshold (launch.wire.SHM_MIN), three all-reduces in flight at once and
+    a ring of isend/irecv; whole-number values, so any summation order gives the same bits. Checksums and a few
+    elements come back (the tensors are MiBs)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    m = 1 << 18                                                   # 1 MiB of float32
+    x = torch.arange(m, dtype=torch.float32) % 97 + r
+
+    def seen(t):
+        return {"sum": float(t.double().sum()), "head": t.reshape(-1)[:3].tolist(), "tail": t.reshape(-1)[-2:].tolist()}
+    out = {}
+    works = [dist.all_reduce(y, async_op=True) for y in (x.clone(), x.clone() * 2, x.clone() * 3)]
+    for w in works:
+        w.wait()
+    out["all_reduce_x3"] = [seen(w.result()[0]) for w in works]
+    g = torch.empty(n * m)
+    dist.all_gather_into_tensor(g, x)
+    out["all_gather"] = seen(g)
+    rs = torch.empty(m // n)
+    dist.reduce_scatter_tensor(rs, x)
+    out["reduce_scatter"] = seen(rs)
+    rows_in = [(m // 64) * (j + 1) // n for j in range(n)]        # uneven rows of 64 floats: an MoE dispatch's shape
+    inp = torch.arange(sum(rows_in) * 64, dtype=torch.float32).reshape(-1, 64) % 89 + r
+    rows_out = [(m // 64) * (r + 1) // n] * n
+    a2a = torch.empty(sum(rows_out), 64)
+    dist.all_to_all_single(a2a, inp, rows_out, rows_in)
+    out["all_to_all_uneven"] = seen(a2a)
+    b = x.clone() if r == n - 1 else torch.zeros(m)
+    dist.broadcast(b, n - 1)
+    out["broadcast"] = seen(b)
+    parts = [torch.empty(m) for _ in range(n)] if r == 0 else None
+    dist.gather(x, parts, 0)
+    out["gather"] = [seen(p) for p in parts] if parts else None
+    sc = torch.empty(m)
+    dist.scatter(sc, [x + j for j in range(n)] if r == 0 else None, 0)
+    out["scatter"] = seen(sc)
+    got = torch.empty(m)
+    ops = [dist.P2POp(dist.isend, x * (r + 1), (r + 1) % n), dist.P2POp(dist.irecv, got, (r - 1) % n)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    out["ring"] = seen(got)
+    return out
+
+
+def x_course_arena(case):
+    """The shared memory this rank holds: its own arena and no other rank's (mapped or open)."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:                # the listing's own descriptor
+            pass
+    fds = sorted(f for f in fds if f.startswith("/memfd:"))
+    dist.all_reduce(torch.ones(1 << 17))           # a payload in the arena: it is mapped by now
+    maps = sorted({line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                   for line in open("/proc/self/maps") if "memfd:" in line})
+    return {"mapped": maps, "open": fds}
+
+
 def x_course_rejects(case):
     """What gloo rejects, the course backend rejects before posting anything, saying what to use instead."""
     r, n = dist.get_rank(), dist.get_world_size()
@@ -608,6 +668,16 @@ def test_course_rejects_what_gloo_rejects(runs, nproc):
     for r, seen in res["data"].items():
         for case, hint in want.items():
             assert hint in seen[case] and not seen[case].startswith("accepted"), (r, case, seen[case])
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_each_rank_holds_its_own_arena_only(runs, nproc):
+    """A rank's large payloads go through shared memory that it and its launcher alone hold: no other rank's arena
+    is mapped in it or open."""
+    res = runs[("course", nproc)]["x_course_arena"]
+    assert res["status"] == "pass", res["why"]
+    for r, seen in res["data"].items():
+        assert seen == {"mapped": [f"/memfd:rank{r}"], "open": [f"/memfd:rank{r} (deleted)"]}, (r, seen)
 
 
 def test_rooted_collectives_reach_only_their_ranks(runs):

@@ -24,7 +24,8 @@ import torch
 
 import launch.switchboard as sb
 from grader import ROOT
-from launch.wire import HEAD, MAX_PAYLOAD, FrameReader, encode
+from launch.wire import ALIGN, ARENA_BYTES, HEAD, MAX_PAYLOAD, Arena, FrameReader, arena_layout, encode, \
+    encode_shared
 
 WORLD = 3
 
@@ -32,14 +33,17 @@ WORLD = 3
 class Board:
     """A switchboard in this process; `socks[r]` is rank r's end of its link."""
 
-    def __init__(self, tmp_path, nproc: int = WORLD, items: list | None = None):
+    def __init__(self, tmp_path, nproc: int = WORLD, items: list | None = None, arenas: bool = False):
+        """`arenas`: each rank has one (`arenas[r]`: the rank's own mapping of it, as `launch.course_pg` makes)."""
         self.sel = selectors.DefaultSelector()
         self.board = sb.Switchboard(self.sel, {}, items or [], str(tmp_path / "record"))
-        self.socks = []
+        self.socks, self.arenas = [], []
         for r in range(nproc):
             mine, theirs = socket.socketpair()
-            self.board.attach(r, mine)
+            arena = Arena.create(f"rank{r}") if arenas else None
+            self.board.attach(r, mine, arena)
             self.socks.append(theirs)
+            self.arenas.append(Arena(os.dup(arena.fd)) if arenas else None)
 
     def pump(self):
         """Serve the links until none is ready (a socket pair's bytes are there as soon as they are sent)."""
@@ -71,16 +75,21 @@ class Board:
     def events(self) -> list[dict]:
         return [ev for item in self.board.record.values() for ev in item["events"]]
 
-    def answers(self, r: int) -> list[dict]:
+    def answers(self, r: int, frames: bool = False) -> list:
+        """Rank r's answers: their headers (`frames`: with their tensors, read from its arena where they are there)."""
         self.socks[r].setblocking(False)
-        reader, out = FrameReader(), []
-        try:
-            while chunk := self.socks[r].recv(1 << 20):
-                reader.feed(chunk)
-        except BlockingIOError:
-            pass
+        reader, out = FrameReader(self.arenas[r] if self.arenas else None), []
+        while True:                 # what does not fit the socket's buffer is sent as the rank reads
+            self.pump()
+            try:
+                chunk = self.socks[r].recv(1 << 20)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            reader.feed(chunk)
         while (frame := reader.next_frame()) is not None:
-            out.append(frame[0])
+            out.append(frame if frames else frame[0])
         return out
 
 
@@ -169,6 +178,79 @@ def test_a_frame_that_breaks_a_rule_closes_that_ranks_link_and_names_the_rule(tm
     for r in (0, 2):
         b.send(r, encode(op(ranks=[0, 2]), [torch.full((2,), float(r + 1))]))
     assert [a["k"] for a in b.answers(0)] == ["done"] and [a["k"] for a in b.answers(2)] == ["done"]
+
+
+BIG = 1 << 16                                     # floats: 256 KiB, an arena payload (launch.wire.SHM_MIN)
+SPAN = arena_layout([(torch.float32, [BIG])])[1]
+
+
+def shared(arena: Arena, at: int, header: dict, tensors: list) -> bytes:
+    return encode_shared(header, tensors, arena, at)
+
+
+def test_an_arena_payload_is_answered_in_the_arena_and_recorded_like_any(tmp_path):
+    """Three ranks all-reduce 256 KiB through their arenas: each answer is in the rank's own arena, where it posted,
+    and the record counts the same bytes as for a payload on the socket."""
+    b = Board(tmp_path, arenas=True)
+    for r in range(WORLD):
+        b.send(r, shared(b.arenas[r], 128 * r, op(room=SPAN), [torch.full((BIG,), float(r + 1))]))
+    for r in range(WORLD):
+        [(header, [answer])] = b.answers(r, frames=True)
+        assert header["k"] == "done" and header["shm"] == 128 * r and torch.equal(answer, torch.full((BIG,), 6.0))
+        assert answer.data_ptr() == b.arenas[r].bytes[128 * r:].data_ptr()
+    [entry] = b.board.record[-1]["entries"]["0"]
+    assert entry["bytes"] == 4 * BIG and entry["shape"] == [BIG]
+
+
+def test_an_answer_larger_than_the_room_the_rank_reserved_comes_on_the_socket(tmp_path):
+    """An all-gather whose post reserved room for its input only: the gathered answer travels on the socket."""
+    b = Board(tmp_path, arenas=True)
+    for r in range(WORLD):
+        b.send(r, shared(b.arenas[r], 0, op(op="all_gather", room=SPAN), [torch.full((BIG,), float(r))]))
+    for r in range(WORLD):
+        [(header, parts)] = b.answers(r, frames=True)
+        assert "shm" not in header and [float(p[0]) for p in parts] == [0.0, 1.0, 2.0]
+
+
+ARENA_FRAMES = {
+    "outside the arena": (dict(shm=ARENA_BYTES - ALIGN, room=SPAN), "not inside the rank's 256 MiB arena"),
+    "negative offset": (dict(shm=-ALIGN, room=SPAN), "not inside the rank's"),
+    "misaligned": (dict(shm=3, room=SPAN), "or not 64-byte aligned"),
+    "offset a string": (dict(shm="0", room=SPAN), "not inside the rank's"),
+    "offset a bool": (dict(shm=True, room=SPAN), "not inside the rank's"),
+    "no room": (dict(shm=0), "`room` is not a small integer"),
+    "room too small": (dict(shm=0, room=SPAN - ALIGN), "`room` is smaller than the tensors"),
+    "sparse": (dict(shm=0, room=SPAN, sparse=[BIG]), "a sparse tensor in the arena"),
+}
+
+
+@pytest.mark.parametrize("fields, rule", list(ARENA_FRAMES.values()), ids=list(ARENA_FRAMES))
+def test_an_arena_payload_that_breaks_a_rule_closes_that_ranks_link(tmp_path, fields, rule):
+    b = Board(tmp_path, arenas=True)
+    b.arenas[1].write(0, [torch.ones(BIG)])
+    head = json.dumps({**op(**fields), "tensors": [{"dtype": "float32", "shape": [BIG]}]}).encode()
+    b.send(1, raw(head))
+    [event] = b.events()
+    assert event["ranks"] == [1] and rule in event["msg"], event["msg"]
+    assert b.conn(1).gone and not b.conn(0).gone
+
+
+def test_no_arena_payload_from_a_rank_without_one_or_with_bytes_on_the_socket_too(tmp_path):
+    meta = [{"dtype": "float32", "shape": [4]}]
+    for arenas, body in ((False, b""), (True, bytes(16))):
+        b = Board(tmp_path / str(arenas), arenas=arenas)
+        b.send(1, raw(json.dumps({**op(shm=0, room=SPAN), "tensors": meta}).encode(), body))
+        [event] = b.events()
+        assert "an arena payload from a rank without an arena, or with bytes on the socket too" in event["msg"]
+
+
+def test_a_rank_cannot_resize_its_arena_under_the_launcher(tmp_path):
+    """Shrunk, the launcher's next read of it would end in SIGBUS: the arena is sealed at its size."""
+    arena = Arena.create("rank0")
+    for size in (0, ARENA_BYTES // 2, ARENA_BYTES * 2):
+        with pytest.raises(PermissionError):
+            os.ftruncate(arena.fd, size)
+    assert os.fstat(arena.fd).st_size == ARENA_BYTES
 
 
 def test_whatever_fails_while_a_frame_is_handled_is_the_senders_doing(tmp_path, monkeypatch):

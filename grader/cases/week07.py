@@ -14,7 +14,9 @@ Why the harness calls parallelize_module(..., src_data_rank=None): with the defa
 style's distribute_tensor scatters rank 0's copy of each weight (torch/distributed/tensor/_api.py), so rank 0
 would have to hold every rank's shards and the other ranks' copies would go unread; with None each rank
 splits its own copy locally, and a plan gets exactly the shards that rank 0's scatter of the dense model gives
-(the same torch.chunk blocks). fully_shard always splits the local copy (no broadcast).
+(the same torch.chunk blocks). fully_shard always splits the local copy (no broadcast). A partition function the
+student writes by hand with distribute_tensor's default gets the same: the rank's default is None too
+(grader/rank/week07._split_locally; fixture custom_partition_default_src, full marks).
 A plan that leaves a weight whole, or shards it along the other dimension, computes with NaN.
 
 Collectives per direction with TP + SP (Korthikanti et al. 2022, Sec. 4.2.2): each of the two

@@ -63,8 +63,18 @@ def load_dense(model: torch.nn.Module, inp: dict) -> torch.nn.Module:
     return model
 
 
+def _split_locally():
+    """distribute_tensor's default src_data_rank=0 scatters rank 0's copy of a tensor, which is right where every rank
+    made the same copy, as on any machine. Here each rank holds only its own shards (the rest NaN), so the default
+    becomes None, as parallelize_module is called: each rank splits its own copy, and a plan (or a partition function
+    written by hand with the default) gets exactly the shards rank 0's scatter of the dense model would give."""
+    from torch.distributed.tensor import _api
+    _api.distribute_tensor.__kwdefaults__["src_data_rank"] = None
+
+
 def _apply_plans(mod, model, mesh, whole_model: bool):
     from torch.distributed.tensor.parallel import parallelize_module
+    _split_locally()
     layers = model.model.layers if whole_model else [model]
     for layer in layers:
         parallelize_module(layer, mesh, mod.block_plan(), src_data_rank=None)

@@ -10,6 +10,8 @@
   check server) and warm (a lab's later checks, served by grader/tools/check_server.py), as a multiple of a bare
   `import torch` timed beside the runs, and how busy the machine's cores were meanwhile (near 100%: CPU-bound, only
   less work makes it faster);
+- a 64 MiB float32 all-reduce on 4 ranks, on the course backend (as grading carries it: grader/tools/bench_payload.py)
+  and on gloo;
 - class-scale autograde: N submissions of the `make demo` mix (solutions, stubs, broken, a deadlock),
   `jobs` at a time, through nbgrader with the trusted checks.
 """
@@ -174,6 +176,11 @@ def main(n: int = 20, jobs: int = 2, repeats: int = 3) -> int:
     first, *warm = time_check("warm", repeats + 1)
     print(f"one check, 4 ranks, warm launcher (as check() in a notebook): {_runs(warm, '{:.2f}')}; "
           f"the first call, which starts it: {first:.1f} s", flush=True)
+    from grader.tools.bench_payload import time_payload
+    course, gloo = time_payload("course"), time_payload("gloo")
+    print(f"a 64 MiB all_reduce on 4 ranks: course backend {_runs(course[1:], '{:.3f}')} (the first, touching its "
+          f"arena's pages: {course[0]:.3f} s); gloo {_runs(gloo[1:], '{:.3f}')} (the first: {gloo[0]:.3f} s); course "
+          f"/ gloo {statistics.median(course[1:]) / statistics.median(gloo[1:]):.2f}", flush=True)
     ok = time_submission("solution", repeats)
     dead = time_submission("deadlock_skip", repeats)
     print(f"trusted grading of a Week 2 submission: correct {_runs(ok)}; deadlocking {_runs(dead)}; "
