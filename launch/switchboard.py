@@ -48,6 +48,9 @@ REDUCE_OPS = ("sum", "avg", "product", "min", "max")
 # as many bytes); the answers it has not read (past this, its socket is not read until it reads them); the results it
 # hands over in one launch (written to the grader's disk and read back). A lab's are kilobytes.
 MAX_IN_FLIGHT, MAX_HELD = 1024, 64 << 20
+# collectives recorded for one rank in one launch: a lab's are hundreds; past this a flood of tiny ones would grow the
+# record (kept in memory, written for the grader, who reads at most attempt.COMM_LIMIT of it) without bound
+MAX_RECORDED = 16_000
 MAX_BACKLOG = 16 << 20
 MAX_RESULTS = 64 << 20
 
@@ -158,6 +161,7 @@ class Conn:
         self.out = bytearray()
         self.gone = False
         self.handed = 0          # bytes of results this rank has handed over in this launch
+        self.posts = 0           # collectives it posted in this launch
 
 
 class Switchboard:
@@ -274,6 +278,10 @@ class Switchboard:
         rank, kind = conn.rank, header.get("k")
         if kind == "op":
             post = Post(rank, header, tensors, len(self.conns))
+            conn.posts += 1
+            if conn.posts > MAX_RECORDED:
+                raise Refused(f"posted more than {MAX_RECORDED} collectives in one launch, the most the switchboard "
+                              "records for a rank: a loop that never ends, or a collective per element?")
             held = self.open_posts.get(rank, {}).values()
             if len(held) >= MAX_IN_FLIGHT or post.nbytes + sum(p.nbytes for p in held) > MAX_HELD:
                 raise Refused(f"posted {MAX_IN_FLIGHT} collectives (or {MAX_HELD >> 20} MiB) that its peers have not "

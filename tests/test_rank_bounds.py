@@ -363,6 +363,21 @@ def test_a_rank_cannot_hand_over_more_results_than_the_grader_reads_back(tmp_pat
     assert (tmp_path / "record" / "rank0" / "0.pt").exists() and not (tmp_path / "record" / "rank0" / "1.pt").exists()
 
 
+def test_a_rank_cannot_grow_the_record_without_bound(tmp_path, monkeypatch):
+    """Every collective a rank posts is recorded: past MAX_RECORDED in one launch (here 50), its link is closed, and
+    what the record holds for it stops there (a largest record is what the grader reads back,
+    grader.judge.attempt.COMM_LIMIT: 16k entries of 8 ranks at their largest)."""
+    from grader.judge.attempt import COMM_LIMIT
+    assert 8 * sb.MAX_RECORDED * 400 < COMM_LIMIT
+    monkeypatch.setattr(sb, "MAX_RECORDED", 50)
+    b = Board(tmp_path, nproc=1)
+    for seq in range(1, 60):
+        b.send(0, encode(op(seq=seq, op="barrier", ranks=[0]), []))
+    [event] = b.events()
+    assert "posted more than 50 collectives in one launch" in event["msg"] and b.conn(0).gone
+    assert len(b.board.record[-1]["entries"]["0"]) == 50
+
+
 def test_the_launcher_survives_a_malformed_message_and_serves_the_rest(tmp_path):
     """Through a real launcher (`python -m launch.forkrun`, as grading runs it): rank 1 sends `wait` with seq 1e999,
     rank 2 a tensor claiming 2**62 bytes; the launcher records both, rank 0 goes on alone, and the launcher ends

@@ -79,7 +79,7 @@ def _all_to_all_single(args, functional: bool, t: int) -> dict:
             "out_splits": list(out_splits), "sent": float((sum(rows) - rows[me]) * row_bytes)}
 
 
-_REDUCE_OPS = {0: "sum", 1: "avg", 2: "product", 3: "min", 4: "max"}
+_REDUCE_OPS = {0: "sum", 1: "avg", 2: "product", 3: "min", 4: "max", 5: "band", 6: "bor", 7: "bxor", 8: "premul_sum"}
 
 
 def _reduce_op(args, functional: bool) -> str:
