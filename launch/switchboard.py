@@ -148,8 +148,9 @@ class Post:
         self.phase = phase[:MAX_PHASE] if isinstance(phase, str) else "?"
         peer = header.get("peer", -1)
         self.peer = self.ranks[peer] if self.op in P2P and 0 <= peer < len(self.ranks) else -1
-        self.nbytes = sum(nbytes(x) for x in tensors)      # what the switchboard holds until the post is answered
         self.room = _room(header, tensors)                 # (offset, bytes) of the rank's arena it reserved, or None
+        # what the switchboard holds until the post is answered: nothing of a payload that stays in the rank's arena
+        self.nbytes = 0 if self.room else sum(nbytes(x) for x in tensors)
         self.label = ""          # "all_reduce #2 (forward)", once numbered
         self.order = 0           # its place in the rank's posts of this item, counted by the switchboard
 

@@ -363,8 +363,8 @@ def x_strided_view(case):
 
 
 def x_large_payloads(case):
-    """Every op on payloads past the arena's threshold (launch.wire.SHM_MIN), three all-reduces in flight at once and
-    a ring of isend/irecv; whole-number values, so any summation order gives the same bits. Checksums and a few
+    """Every op on payloads past the arena's threshold (launch.wire.SHM_MIN), three all-reduces in flight at once (and
+    three of 22 MiB: more than launch.switchboard.MAX_HELD), a ring of isend/irecv; whole-number values, so any summation order gives the same bits. Checksums and a few
     elements come back (the tensors are MiBs)."""
     r, n = dist.get_rank(), dist.get_world_size()
     m = 1 << 18                                                   # 1 MiB of float32
@@ -377,6 +377,10 @@ def x_large_payloads(case):
     for w in works:
         w.wait()
     out["all_reduce_x3"] = [seen(w.result()[0]) for w in works]
+    big = [torch.full((22 << 18,), float(r + k)) for k in range(3)]    # 66 MiB in flight: more than the switchboard
+    for w in [dist.all_reduce(y, async_op=True) for y in big]:         # holds of a rank's payloads on the socket
+        w.wait()
+    out["in_flight_66MiB"] = [seen(y) for y in big]
     g = torch.empty(n * m)
     dist.all_gather_into_tensor(g, x)
     out["all_gather"] = seen(g)
