@@ -20,6 +20,11 @@ CP degree (the Week 10 lecture writes it c and keeps t for the TP degree).
   reduce-scatters dK/dV. Here autograd keeps the gathered K/V for backward (simple, but the whole K/V per
   layer); TransformerEngine's AttnFuncWithCPAndKVAllGather instead saves only the local K/V, all-gathers
   them again in backward and then reduce-scatters dK/dV.
+- Packed documents (TransformerEngine's THD format, Megatron-LM's per-document balancing): several documents
+  of lengths L_d packed into one sequence, described by cu_seqlens = [0, L_0, L_0 + L_1, ...]. Query i sees
+  key j iff both are in the same document and j <= i (a block-diagonal causal mask). Each document, not the
+  whole sequence, is cut into 2t chunks and rank r keeps chunks r and 2t-1-r of every document
+  (TE's thd_partition_indices_kernel), so every rank holds 1/t of every document's causal triangle.
 """
 from __future__ import annotations
 
@@ -54,25 +59,33 @@ def causal_attention(q, k, v):
     return torch.softmax(s, dim=-1) @ v
 
 
-def _scores(q, k, diag):
+def _scores(q, k, diag, allowed=None):
+    """allowed: a (Tq, Tk) bool mask of the pairs that may attend (packed documents); diag: causal inside."""
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])             # (B, nh, Tq, Tk)
     if diag:           # a chunk against itself: causal inside it
         s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
-    return s
+    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
 
 
-def block_forward(q, k, v, diag):
-    """Attention of q to one block of keys: (o, lse), o = softmax(s) v over this block, lse = logsumexp(s)."""
-    s = _scores(q, k, diag)
+def _finite(lse):
+    """lse with -inf (a row that sees no key of this block) lifted to the lowest float, so that
+    exp(s - lse) and exp(lse - new) give 0 there instead of exp(-inf + inf) = NaN."""
+    return lse.clamp(min=torch.finfo(lse.dtype).min)
+
+
+def block_forward(q, k, v, diag, allowed=None):
+    """Attention of q to one block of keys: (o, lse), o = softmax(s) v over this block, lse = logsumexp(s).
+    A row with no allowed key in the block gets o = 0, lse = -inf: it adds nothing when merged."""
+    s = _scores(q, k, diag, allowed)
     lse = torch.logsumexp(s, dim=-1)                                  # (B, nh, Tq)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+    return torch.exp(s - _finite(lse).unsqueeze(-1)) @ v, lse
 
 
-def block_backward(q, k, v, o, lse, do, diag):
+def block_backward(q, k, v, o, lse, do, diag, allowed=None):
     """Grads of one block given the FINAL o and lse of the rows: P = exp(s - lse) is the block's slice of
     the full softmax, so dV = P^T dO, dS = P (dO V^T - rowsum(dO o)), dQ = dS K / sqrt(hs), dK = dS^T Q / sqrt(hs)."""
     scale = 1 / math.sqrt(q.shape[-1])
-    p = torch.exp(_scores(q, k, diag) - lse.unsqueeze(-1))           # (B, nh, Tq, Tk)
+    p = torch.exp(_scores(q, k, diag, allowed) - lse.unsqueeze(-1))  # (B, nh, Tq, Tk); masked pairs: 0
     ds = p * (do @ v.transpose(-2, -1) - (do * o).sum(-1, keepdim=True))
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ do
 
@@ -80,7 +93,8 @@ def block_backward(q, k, v, o, lse, do, diag):
 def merge(o, lse, o_b, lse_b):
     """Online-softmax merge of two partial results over disjoint key sets (exact)."""
     new = torch.logaddexp(lse, lse_b)
-    return o * torch.exp(lse - new).unsqueeze(-1) + o_b * torch.exp(lse_b - new).unsqueeze(-1), new
+    ref = _finite(new)                                                # rows empty in both stay o = 0, lse = -inf
+    return o * torch.exp(lse - ref).unsqueeze(-1) + o_b * torch.exp(lse_b - ref).unsqueeze(-1), new
 
 
 def block_pairs(r: int, src: int, t: int, balanced: bool = True):
@@ -246,13 +260,116 @@ class GatherKV(torch.autograd.Function):
         return out, None
 
 
-def allgather_kv_attention(q, k, v, group=None):
-    """Load-balanced local q (B, nh, T/t, hs) against the gathered K/V of all T positions."""
+def allgather_kv_attention(q, k, v, group=None, cu_seqlens=None):
+    """Load-balanced local q (B, nh, T/t, hs) against the gathered K/V of all T positions. With cu_seqlens
+    (packed documents, each cut per document) the mask is block-diagonal causal; without, one document."""
     t, r = dist.get_world_size(group), dist.get_rank(group)
-    T = q.shape[2] * t
+    cu = torch.tensor([0, q.shape[2] * t]) if cu_seqlens is None else cu_seqlens
     kv = GatherKV.apply(torch.stack([k, v]), group)                      # (t, 2, B, nh, T/t, hs)
     kf, vf = (kv[:, i].permute(1, 2, 0, 3, 4).flatten(2, 3) for i in range(2))   # (B, nh, T, hs), rank order
-    kpos = torch.cat([positions(T, j, t) for j in range(t)])
-    s = q @ kf.transpose(-2, -1) / math.sqrt(q.shape[-1])                # (B, nh, T/t, T)
-    s = s.masked_fill(kpos[None, :] > positions(T, r, t)[:, None], float("-inf"))
+    kpos = torch.cat([doc_positions(cu, j, t) for j in range(t)])
+    s = _scores(q, kf, False, document_mask(doc_positions(cu, r, t), kpos, cu))  # (B, nh, T/t, T)
     return torch.softmax(s, dim=-1) @ vf
+
+
+# -- packed documents ------------------------------------------------------------------------------
+def doc_ids(positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The document of each (global) position: the d with cu_seqlens[d] <= pos < cu_seqlens[d+1]."""
+    return torch.searchsorted(cu_seqlens, positions, right=True) - 1
+
+
+def document_mask(qpos, kpos, cu_seqlens):
+    """(Tq, Tk) bool: query position i may see key position j iff same document and j <= i."""
+    same = doc_ids(qpos, cu_seqlens)[:, None] == doc_ids(kpos, cu_seqlens)[None, :]
+    return same & (kpos[None, :] <= qpos[:, None])
+
+
+def document_causal_attention(q, k, v, cu_seqlens):
+    """Dense attention with the block-diagonal causal mask of packed documents: the single-device reference."""
+    pos = torch.arange(q.shape[2])
+    return torch.softmax(_scores(q, k, False, document_mask(pos, pos, cu_seqlens)), dim=-1) @ v
+
+
+def doc_positions(cu_seqlens, r: int, t: int, per_document: bool = True) -> torch.Tensor:
+    """The global positions rank r holds, in its local order. per_document: every document cut into 2t chunks,
+    chunks r and 2t-1-r of each, document after document (TE's THD layout; each length divisible by 2t);
+    otherwise the whole packed sequence cut into 2t chunks (the §5 layout, blind to documents)."""
+    if not per_document:
+        return positions(int(cu_seqlens[-1]), r, t)
+    starts, lens = cu_seqlens[:-1].tolist(), cu_seqlens.diff().tolist()
+    if any(n % (2 * t) for n in lens):
+        raise ValueError(f"per-document balancing needs every document length divisible by 2t = {2 * t}: {lens} "
+                         f"(TransformerEngine pads each document, pad_thd_sequences_for_cp)")
+    return torch.cat([a + positions(n, r, t) for a, n in zip(starts, lens)])
+
+
+def shard_docs(x, cu_seqlens, r: int, t: int, per_document: bool = True):
+    """Rank r's tokens of x (B, nh, T, hs) -> (B, nh, T/t, hs), in doc_positions order."""
+    return x[:, :, doc_positions(cu_seqlens, r, t, per_document)]
+
+
+def step_mask(cu_seqlens, r: int, src: int, t: int, per_document: bool = True):
+    """(T/t, T/t) bool: which of rank r's queries see which of rank src's keys. Inside one document this is
+    §5's pair rule (an earlier chunk in full, the same chunk causal, a later one not at all); across
+    documents nothing: what TE's varlen kernel gets from cu_seqlens/(2t) at each ring step."""
+    return document_mask(doc_positions(cu_seqlens, r, t, per_document),
+                         doc_positions(cu_seqlens, src, t, per_document), cu_seqlens)
+
+
+def pair_counts(cu_seqlens, t: int, per_document: bool = True) -> torch.Tensor:
+    """(t, t): unmasked (query, key) pairs of rank r at ring step s (the K/V of rank (r - s) mod t): the work of a
+    fused varlen kernel, which skips masked pairs (up to its tile size)."""
+    return torch.tensor([[int(step_mask(cu_seqlens, r, (r - s) % t, t, per_document).sum()) for s in range(t)]
+                         for r in range(t)])
+
+
+class DocRingAttention(torch.autograd.Function):
+    """Ring attention over packed documents: q, k, v (B, nh, T/t, hs) are rank r's tokens (shard_docs);
+    cu_seqlens (every rank has it, as TE's does) says where documents start. The ring and its bytes are
+    RingAttention's; each step attends the local queries to the K/V it holds under step_mask, and skips
+    the GEMMs when that mask is empty."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, group=None, per_document=True):
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        o = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)  # (B, nh, T/t): no key seen yet
+        kv = torch.stack([k, v])                                      # (2, B, nh, T/t, hs)
+        for s in range(t):
+            if s < t - 1:
+                nxt, works = ring_pass_start(kv, group)
+            allowed = step_mask(cu_seqlens, r, (r - s) % t, t, per_document)
+            if allowed.any():
+                o, lse = merge(o, lse, *block_forward(q, kv[0], kv[1], False, allowed))
+            if s < t - 1:
+                for w in works:
+                    w.wait()
+                kv = nxt
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+        ctx.group, ctx.per_document = group, per_document
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+        group, t, r = ctx.group, dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        dq = torch.zeros_like(q)
+        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype)
+        for s in range(t):
+            if s < t - 1:
+                nxt, works = ring_pass_start(kv, group)
+            allowed = step_mask(cu_seqlens, r, (r - s) % t, t, ctx.per_document)
+            if allowed.any():
+                dqs, dks, dvs = block_backward(q, kv[0], kv[1], o, lse, do.contiguous(), False, allowed)
+                dq += dqs
+                dkv += torch.stack([dks, dvs])
+            dkv = ring_pass(dkv, group)                               # with the K/V; the last pass: home
+            if s < t - 1:
+                for w in works:
+                    w.wait()
+                kv = nxt
+        return dq, dkv[0], dkv[1], None, None, None
+
+
+def doc_ring_attention(q, k, v, cu_seqlens, group=None, per_document=True):
+    return DocRingAttention.apply(q, k, v, cu_seqlens, group, per_document)

@@ -6,7 +6,8 @@ Routing (per token x, router weight W_r (E, H)):
     gates = top / sum(top)                      renormalised over the k chosen: GShard's top-2 gating
                                                 (Lepikhin et al. 2020, Alg. 1), Megatron-LM's default (softmax
                                                 over the top-k logits, moe_utils.topk_routing_with_score_function)
-    capacity = ceil(C * N * k / E)              per expert, over the N tokens of one rank (Megatron's get_capacity)
+    capacity = ceil(C * N * k / E)              per expert, over the N tokens of one rank (Megatron's get_capacity);
+                                                C = None: dropless, every assignment kept (Megatron's default)
     an expert keeps its first `capacity` assignments in token order; the rest are dropped (the token gets
     nothing from that expert; the other gate is not rescaled)
     aux = E * sum_i f_i P_i                     Switch Transformer (Fedus et al. 2021, Eq. 4-6) for top-k:
@@ -18,6 +19,10 @@ sort the kept assignments by expert, exchange the per-expert counts (one even al
 dispatch the rows (all_to_all_single with the counts as split sizes), run the local experts, combine (the
 reverse all-to-all), scale by the gates and sum per token. Backward: the combine's backward is the dispatch's
 all-to-all and vice versa (AllToAll swaps its split sizes); the counts need none.
+
+Production pieces (week 11 §7-§11): grouped_ffn (all local experts in two torch._grouped_mm calls over rows sorted
+by expert), AllGatherMoE (Megatron-LM's `allgather` dispatcher), route_biased and expert_bias_update (DeepSeek-V3's
+auxiliary-loss-free balancing), z_loss (ST-MoE).
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from reference.sp_layers import GatherFromSequence, ReduceScatterToSequence
 
 
 def capacity(n_tokens: int, k: int, n_experts: int, factor: float) -> int:
@@ -43,8 +50,8 @@ class Routing:
     aux: torch.Tensor       # (): Switch's load-balancing loss, differentiable through P_i
 
 
-def route(logits: torch.Tensor, k: int, factor: float) -> Routing:
-    """Top-k routing of (N, E) logits with capacity `factor`, drops in token order."""
+def route(logits: torch.Tensor, k: int, factor: float | None) -> Routing:
+    """Top-k routing of (N, E) logits with capacity `factor`, drops in token order; factor None: dropless."""
     N, E = logits.shape
     probs = logits.softmax(-1)                                   # (N, E)
     top, experts = probs.topk(k, dim=-1)                         # (N, k)
@@ -52,7 +59,8 @@ def route(logits: torch.Tensor, k: int, factor: float) -> Routing:
     onehot = F.one_hot(experts, E)                               # (N, k, E)
     # place of each assignment in its expert's queue: token order (a token never picks an expert twice)
     place = ((onehot.flatten(0, 1).cumsum(0).view(N, k, E) - 1) * onehot).sum(-1)   # (N, k)
-    keep = place < capacity(N, k, E, factor)
+    # dropless: a token never picks an expert twice, so no queue is longer than N
+    keep = place < (N if factor is None else capacity(N, k, E, factor))
     f = onehot.sum((0, 1)).float() / (N * k)                     # (E,) fraction of assignments, no grad
     aux = E * (f * probs.mean(0)).sum()
     return Routing(experts, gates, keep, aux)
@@ -117,14 +125,13 @@ def dispatch_plan(r: Routing, n_experts: int):
 
 
 def local_experts(xin, recv_counts, w1, w2):
-    """Rows arrive grouped by source rank, then by local expert: run expert l on its rows, in place of them."""
+    """Rows arrive grouped by source rank, then by local expert (t, L blocks): sort them by expert (stable, Megatron's
+    second permutation), run all experts in one grouped GEMM, put the results back in arrival order."""
     which = torch.arange(recv_counts.shape[1], device=recv_counts.device).repeat(recv_counts.shape[0])
     row_expert = torch.repeat_interleave(which, recv_counts.flatten())                    # (R,) local expert of each row
-    out = torch.zeros_like(xin)
-    for l in range(w1.shape[0]):
-        idx = (row_expert == l).nonzero().squeeze(1)
-        out = out.index_copy(0, idx, expert_ffn(xin[idx], w1[l], w2[l]))
-    return out
+    order = torch.sort(row_expert, stable=True).indices                                   # (R,)
+    out = grouped_ffn(xin[order], recv_counts.sum(0), w1, w2)                             # (R, H) sorted by expert
+    return torch.empty_like(out).index_copy(0, order, out)
 
 
 class EPMoE(nn.Module):
@@ -215,3 +222,57 @@ class ETPMoE(EPMoE):
         back = AllToAll.apply(out, send, recv, self.group)
         w = r.gates[tok, choice].unsqueeze(1)
         return torch.zeros_like(x).index_add(0, tok, back * w)
+
+
+def grouped_ffn(x, counts, w1, w2):
+    """All L local experts at once on rows sorted by expert: x (M, H), counts (L,) rows per expert, w1 (L, F, H),
+    w2 (L, H, F) -> (M, H). torch._grouped_mm(A, B, offs) multiplies rows offs[l-1]:offs[l] of A by B[l]: one
+    kernel for every expert, however uneven the counts (torchtitan's GroupedExperts; Megatron's GroupedMLP)."""
+    offs = counts.cumsum(0).to(torch.int32)                      # (L,) end row of each expert's block
+    h = F.gelu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))                   # (M, F)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)                       # (M, H)
+
+
+class AllGatherMoE(EPMoE):
+    """Megatron-LM's `allgather` dispatcher (MoEAllGatherTokenDispatcher) over an EP group of t ranks with N tokens
+    each: all-gather every token and its (N, E) combine weights, run MY experts on the tokens routed to them, scale by
+    the gates on the expert side, and reduce-scatter: each token's partial outputs are summed on its owner. No
+    counts, no split sizes (nothing to wait for on the host), but every rank receives all tN tokens."""
+
+    def forward(self, x):                                        # x (N, H): this rank's tokens, N equal on all ranks
+        t, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        E, L = self.router.shape[0], self.w1.shape[0]
+        r = route(x @ self.router.T, self.k, self.factor)
+        weight = torch.zeros_like(x[:, :E]).scatter_add(1, r.experts, r.gates * r.keep)      # (N, E)
+        xs = GatherFromSequence.apply(x.unsqueeze(0), self.group)[0]                      # (tN, H)
+        ws = GatherFromSequence.apply(weight.unsqueeze(0), self.group)[0]                 # (tN, E)
+        out = torch.zeros_like(xs)
+        for l in range(L):
+            g = ws[:, me * L + l]                                # (tN,) my expert l's gate for every token
+            idx = g.nonzero().squeeze(1)
+            out = out.index_add(0, idx, g[idx, None] * expert_ffn(xs[idx], self.w1[l], self.w2[l]))
+        return ReduceScatterToSequence.apply(out.unsqueeze(0), self.group)[0]             # (N, H)
+
+
+def route_biased(logits, k: int, bias):
+    """DeepSeek-V3's routing (Eq. 13-16): s = sigmoid(logits) (N, E); the k experts with the largest s + bias are
+    chosen, but the gates are the ORIGINAL scores renormalised over them: the bias steers selection only and gets no
+    gradient. Dropless. Returns (experts (N, k), gates (N, k))."""
+    s = logits.sigmoid()                                         # (N, E) affinities
+    experts = (s + bias).topk(k, dim=-1).indices                 # (N, k) selection with the bias
+    top = s.gather(1, experts)                                   # (N, k) weights without it
+    return experts, top / top.sum(-1, keepdim=True)
+
+
+def expert_bias_update(bias, load, rate: float):
+    """DeepSeek-V3 Sec. 2.1.2 (Megatron-LM's get_updated_expert_bias, torchtitan's optimizer hook): after each step
+    b_i += rate * sign(mean load - load_i): overloaded experts become less attractive, underloaded ones more. `load`
+    (E,) must be the global count (all-reduced over the data-parallel ranks) so every rank applies the same update."""
+    return bias + rate * torch.sign(load.float().mean() - load.float())
+
+
+def z_loss(logits):
+    """ST-MoE's router z-loss (Zoph et al. 2022, Eq. 5): mean over tokens of logsumexp(logits)^2. It pulls the
+    logits towards 0 (d/dz_j = 2 lse p_j / N: the likeliest expert's logit most), which keeps the router's
+    exponentials and their round-off small in bf16."""
+    return logits.logsumexp(-1).square().mean()

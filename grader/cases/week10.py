@@ -9,7 +9,13 @@ dense causal attention (a masked softmax through autograd) on the full tensors, 
 - ulysses: rank r receives the contiguous block r of q, k, v, dy; all-to-alls only: forward q, k, v to head shards
   (three, or one stacked) and the output back, backward the reverse of each; bytes exact.
 - ulysses_divisibility: heads not divisible by t -> ValueError, before any collective.
-Hidden variants: sequence lengths divisible by 2t but not powers of two (24, 40), 3 heads. Every case, public ones
+- packed_documents: a packed sequence of 2 to 4 documents (lengths multiples of 8 = 2t at t = 4, drawn with the
+  inputs); rank r receives its tokens of q, k, v, dy (chunks r and 2t-1-r of every document, in document order)
+  and cu_seqlens (the batch's document boundaries: every CP rank has them, they name no other rank's data).
+- dp_cp_gradients: 4 ranks as (dp, cp) = (2, 2), rank = d * 2 + r: rank (d, r) receives its per-document tokens of
+  sequence d (x, dy: (1, T/2, h)), the batch's cu_seqlens and the replicated weights W_q, W_k, W_v, W_o (h, h);
+  it returns the four weight gradients after the student's reduction. Uses the student's DocRingAttention.
+Hidden variants: sequence lengths divisible by 2t but not powers of two (24, 40), 3 heads; packings of 96 tokens. Every case, public ones
 too, draws its seed fresh at grading.
 
 Scored: values against the trusted reference and the switchboard's record of the collectives. "note (inside the
@@ -39,6 +45,14 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
     bytes_sent each way = 4 (t-1)/t local tensors (q, k, v as three all-to-alls or one stacked: fixture
     independent_reversed_ring_fused_qkv, which also runs the ring the other way round: full marks)
 11. heads not divisible by t -> ValueError -> ulysses_divisibility (fixture no_divisibility_check)
+12. packed documents: query i sees key j iff same document and j <= i -> packed_documents: `y`, `dq`, `dk`, `dv`
+    against dense attention with the block-diagonal causal mask (fixture doc_mask_ignores_documents)
+13. every document cut into 2t chunks, rank r holds chunks r and 2t-1-r of each (doc_positions) -> `y`, `dq`,
+    `dk`, `dv`: rank r receives its tokens in that order, a mask from other positions is wrong (fixture
+    whole_sequence_chunks); the ring's passes and bytes as in rules 5, 6 and 9 -> the ring's Contract
+14. CP beside DP: weight gradients are summed over the dp x cp ranks that hold the same weights -> dp_cp_gradients:
+    `dW_q`, `dW_k`, `dW_v`, `dW_o` on every rank against the whole batch's gradient (fixtures grad_group_dp_only,
+    grad_group_cp_only)
 Course-wide rule: code may not write into the tensors it is given -> note (inside the rank, not scored): ctx.hand on
 q, k, v.
 """
@@ -49,7 +63,7 @@ import torch
 from grader.judge.case import Case, Contract, register
 from grader.rank.week10 import DIVISIBLE, SAVED
 from reference import backward
-from reference.context_parallel import causal_attention, shard_seq
+from reference.context_parallel import causal_attention, document_causal_attention, shard_docs, shard_seq
 
 MODULE = "cp_attention"
 LAYOUT = ("Rank r holds chunks r and 2t-1-r of 2t (torch.chunk(2t) along dim 2), concatenated. Against rank src's "
@@ -140,6 +154,79 @@ for name, cfg, seed in [
                   contract=_contract, seed=seed, hidden=seed is None, feedback=(SAVED,),
                   title="RingAttention" if cfg["variant"] == "ring" else "ulysses_attention",
                   hints=HINTS if cfg["variant"] == "ring" else U_HINTS))
+
+DOC_HINTS = {
+    "y": "Query i sees key j only if both are in the same document (cu_seqlens[d] <= pos < cu_seqlens[d+1]) and "
+         "j <= i, with i and j GLOBAL positions. Rank r's tokens are chunks r and 2t-1-r of EVERY document (each "
+         "document cut into 2t chunks), document after document, not chunks of the whole sequence.",
+    "dq": "The backward masks must be the forward's: document_mask(my positions, the source rank's positions).",
+    "dk": "dK/dV travel with the K/V as in Task 2 (t passes, the last one home); the masks as in forward.",
+    "dv": "dV = P^T dO with the document mask: masked pairs have P = 0."}
+
+
+def _doc_inputs(cfg, gen):
+    """q, k, v, dy and cu_seqlens of 2 to 4 documents, each length a multiple of 8 (2t for t = 2 and 4)."""
+    n_docs = int(torch.randint(2, 5, (1,), generator=gen))
+    cuts = (torch.randperm(cfg["T"] // 8 - 1, generator=gen)[:n_docs - 1] + 1).sort().values * 8
+    return {**_inputs(cfg, gen), "cu_seqlens": torch.cat([torch.tensor([0]), cuts, torch.tensor([cfg["T"]])])}
+
+
+def _doc_reference(cfg, d):
+    q, k, v = (d[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
+    y = document_causal_attention(q, k, v, d["cu_seqlens"])
+    backward(y, d["dy"])
+    return {"y": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "cu_seqlens": d["cu_seqlens"]}
+
+
+for name, cfg, seed in [("packed_documents", dict(BASE, B=1, T=64, variant="ring", backward=True), 14),
+                        ("packed_documents_hidden", dict(HIDDEN, B=2, T=96, variant="ring", backward=True), None)]:
+    register(Case(name=f"week10/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_doc_inputs,
+                  reference=_doc_reference, run_rank="run_packed",
+                  rank_inputs=lambda cfg, d, r, t: {**{n: shard_docs(d[n], d["cu_seqlens"], r, t)
+                                                       for n in ("q", "k", "v", "dy")}, "cu_seqlens": d["cu_seqlens"]},
+                  expected=lambda cfg, ref, r, t: {n: shard_docs(ref[n], ref["cu_seqlens"], r, t)
+                                                   for n in ("y", "dq", "dk", "dv")},
+                  contract=_contract, seed=seed, hidden=seed is None, title="DocRingAttention (packed documents)",
+                  hints=DOC_HINTS))
+
+GRAD_HINTS = {f"dW_{n}": "CP ranks hold the same weights as their DP peers and see other tokens of the same sequence: "
+                          "each rank's weight gradient is a partial sum over its own tokens, to be summed over dp x cp "
+                          "(all the ranks holding the same weights), not over dp alone (or cp alone). If Task 4 "
+                          "fails, fix it first: the layer runs your DocRingAttention over your CP group."
+              for n in "qkvo"}
+
+
+def _mesh_inputs(cfg, gen):
+    """dp sequences x, dy (dp, T, h) sharing one packing cu_seqlens (document lengths multiples of 2 cp), and W."""
+    dp, T, h, unit = cfg["dp"], cfg["T"], cfg["h"], 2 * cfg["cp"]
+    cuts = (torch.randperm(T // unit - 1, generator=gen)[:int(torch.randint(1, 3, (1,), generator=gen))] + 1)
+    out = {"x": torch.randn(dp, T, h, generator=gen), "dy": torch.randn(dp, T, h, generator=gen),
+           "cu_seqlens": torch.cat([torch.tensor([0]), cuts.sort().values * unit, torch.tensor([T])])}
+    return {**out, **{f"W_{n}": torch.randn(h, h, generator=gen) / h ** 0.5 for n in "qkvo"}}
+
+
+def _mesh_reference(cfg, d):
+    """The layer on one device over the whole batch, its loss a sum over every token: the weight gradients."""
+    W = {n: d[f"W_{n}"].clone().requires_grad_(True) for n in "qkvo"}
+    heads = lambda y: y.unflatten(-1, (cfg["nh"], -1)).transpose(1, 2)   # (dp, nh, T, hs)
+    o = document_causal_attention(*(heads(d["x"] @ W[n]) for n in "qkv"), d["cu_seqlens"])
+    backward(o.transpose(1, 2).flatten(2) @ W["o"], d["dy"])
+    return {f"dW_{n}": W[n].grad for n in "qkvo"}
+
+
+def _mesh_rank_inputs(cfg, d, rank, t):
+    dp_rank, r = divmod(rank, cfg["cp"])
+    mine = lambda y: shard_docs(y[dp_rank:dp_rank + 1].unsqueeze(1), d["cu_seqlens"], r, cfg["cp"]).squeeze(1)
+    return {"x": mine(d["x"]), "dy": mine(d["dy"]), "cu_seqlens": d["cu_seqlens"],
+            **{f"W_{n}": d[f"W_{n}"] for n in "qkvo"}}
+
+
+for name, cfg, seed in [("dp_cp_gradients", {"dp": 2, "cp": 2, "T": 32, "h": 8, "nh": 2}, 15),
+                        ("dp_cp_gradients_hidden", {"dp": 2, "cp": 2, "T": 48, "h": 12, "nh": 3}, None)]:
+    register(Case(name=f"week10/{name}", module=MODULE, world_sizes=(4,), config=cfg, make_inputs=_mesh_inputs,
+                  reference=_mesh_reference, rank_inputs=_mesh_rank_inputs, run_rank="run_dp_cp",
+                  expected=lambda cfg, ref, r, t: ref, seed=seed, hidden=seed is None,
+                  title="mesh_groups + sync_weight_grads (dp x cp)", hints=GRAD_HINTS))
 
 register(Case(name="week10/ulysses_divisibility", module=MODULE, world_sizes=(2, 4), config={},
               make_inputs=lambda cfg, gen: {"unused": torch.zeros(1)}, reference=lambda cfg, inp: {},

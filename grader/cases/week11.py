@@ -8,6 +8,9 @@ ceil(C*N*k/E) per expert over ONE rank's N tokens, the assignments past it dropp
   grad of the logits from random upstream grads of the gates and the aux loss. No collective.
 - all_to_all: exchange_counts (one even all-to-all of E counts) and AllToAll (all_to_all_single with split
   sizes; backward: the same with the splits swapped) on random rows sorted by expert.
+- ep_dropless: the same layer with capacity_factor None (dropless): nothing dropped, every assignment dispatched.
+- route_biased: DeepSeek-V3's auxiliary-loss-free selection on this rank's logits with the (replicated) expert bias:
+  experts, gates and the grad of the logits from a random upstream grad of the gates. No collective.
 - ep_layer: EPMoE forward and backward: y, dx, the router grad from this rank's tokens (the data-parallel
   all-reduce that sums it over ranks is not part of the layer), each rank's expert-weight grads (its slice of
   the dense grads over ALL ranks' tokens); 3 all-to-alls forward (counts, dispatch, combine), 2 backward.
@@ -40,7 +43,13 @@ Rules the lab's text states -> the check that enforces it (case: tensor or contr
 13. y = sum of the kept gates times the experts' outputs -> ep_layer: `y`, `dx`, `drouter` (fixture gates_detached)
 14. forward: counts + dispatch + combine all-to-alls, backward: the 2 reverse ones, nothing else (the router
     grad is not all-reduced here) -> ep_layer: Contract.counts, `drouter` (fixture router_grad_allreduced)
-14 rules stated, 14 checked.
+15. capacity_factor None: dropless, every assignment kept and dispatched -> ep_dropless: `y`, `dx`, `dispatch split
+    sizes (record)`, `bytes of rows sent by this rank (record)` (fixture dropless_still_drops)
+16. route_biased: sigmoid scores, top-k of scores + bias (best first) -> route_biased: `experts` (fixtures
+    bias_ignored, softmax_scores)
+17. the gates: the chosen scores WITHOUT the bias, renormalised; the bias gets no grad -> route_biased: `gates`,
+    `dlogits` (fixture bias_in_gates)
+17 rules stated, 17 checked.
 Course-wide rule: code may not write into the tensors it is given -> every case, note (inside the rank, not scored):
 ctx.hand on the inputs.
 """
@@ -50,7 +59,7 @@ import torch
 
 from grader.judge.case import Case, Contract, register
 from reference import backward
-from reference.expert_parallel import dense_moe, route
+from reference.expert_parallel import dense_moe, route, route_biased
 
 MODULE = "moe_ep"
 ROW_HINT = ("Rows go to ranks in rank order: in_splits[s] rows to rank s, out_splits[s] from rank s "
@@ -251,3 +260,68 @@ for name, cfg, seed in [("ep_layer", LAYER, 13),
                   expected=_layer_expected, contract=_layer_contract, from_record=all_to_all_record, seed=seed,
                   hidden=seed is None,
                   title="EPMoE", hints=LAYER_HINTS))
+
+
+# -- task 4: dropless, and the expert bias -----------------------------------------------------------
+def _dropless_inputs(cfg, gen):
+    """The layer's inputs with expert 0 every token's first choice, by a logit margin of 1 (its second choice keeps a
+    gate of about a quarter): a capacity below N, as any factor below E/k gives, overflows expert 0's queue on every
+    rank, so a layer that still drops fails whatever the seed (the same score on every run)."""
+    d = _layer_inputs(cfg, gen)
+    logits = d["x"] @ d["router"].T                                          # (4N, E)
+    lift = (logits[:, 1:].amax(1) - logits[:, 0] + 1).clamp(min=0)           # (4N,)
+    towards_0 = torch.linalg.pinv(d["router"])[:, 0]                         # (H,): router @ towards_0 = e_0
+    d["x"] = d["x"] + lift[:, None] * towards_0                              # only logits[:, 0] rise
+    return d
+
+
+DROPLESS_HINTS = dict(LAYER_HINTS, **{
+    SPLITS: "capacity_factor=None is dropless: route keeps EVERY assignment (no expert queue is longer than N, since a "
+            "token never picks an expert twice), so this rank sends all N*k of them. " + ROW_HINT,
+    SENT: "Dropless: all N*k assignments are dispatched, each to the rank of its expert; none is dropped.",
+    "y": "With capacity_factor=None nothing is dropped: y = sum over ALL k assignments of gate * expert(x).",
+})
+for name, cfg, seed in [("ep_dropless", dict(LAYER, C=None), 14),
+                        ("ep_dropless_hidden", dict(LAYER, N=15, F=8, E=4, C=None), None)]:
+    register(Case(name=f"week11/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_dropless_inputs,
+                  rank_inputs=_layer_rank_inputs, reference=_layer_reference, run_rank="run_layer",
+                  expected=_layer_expected, contract=_layer_contract, from_record=all_to_all_record, seed=seed,
+                  hidden=seed is None, title="EPMoE, dropless", hints=DROPLESS_HINTS))
+
+
+def _biased_inputs(cfg, gen):
+    n, E = 4 * cfg["N"], cfg["E"]
+    return {"logits": 2 * torch.randn(n, E, generator=gen), "bias": 0.5 * torch.randn(E, generator=gen),
+            "dgates": torch.randn(n, cfg["k"], generator=gen)}
+
+
+def _biased_rank_inputs(cfg, d, r, t):
+    return {"logits": _block(d["logits"], r, cfg["N"]), "bias": d["bias"], "dgates": _block(d["dgates"], r, cfg["N"])}
+
+
+def _biased_reference(cfg, d):
+    out = {}
+    for r in range(4):
+        logits = _block(d["logits"], r, cfg["N"]).clone().requires_grad_(True)
+        experts, gates = route_biased(logits, cfg["k"], d["bias"])
+        (gates * _block(d["dgates"], r, cfg["N"])).sum().backward()
+        out.update({f"experts{r}": experts, f"gates{r}": gates.detach(), f"dlogits{r}": logits.grad})
+    return out
+
+
+def _biased_expected(cfg, ref, r, t):
+    return {k: ref[f"{k}{r}"] for k in ("experts", "gates", "dlogits")}
+
+
+BIASED_HINTS = {
+    "experts": "scores s = sigmoid(logits) (not softmax); the k experts with the largest s + bias, best first "
+               "(torch.topk(s + bias, k)).",
+    "gates": "The bias steers the selection only: gates = the chosen s WITHOUT the bias, renormalised to sum to 1.",
+    "dlogits": "The grad flows through sigmoid into the chosen scores only; the bias is a constant (no grad).",
+}
+for name, cfg, seed in [("route_biased", {"N": 12, "E": 8, "k": 2}, 15),
+                        ("route_biased_hidden", {"N": 15, "E": 6, "k": 3}, None)]:
+    register(Case(name=f"week11/{name}", module=MODULE, world_sizes=(2, 4), config=cfg, make_inputs=_biased_inputs,
+                  rank_inputs=_biased_rank_inputs, reference=_biased_reference, run_rank="run_route_biased",
+                  expected=_biased_expected, contract=lambda cfg, t: Contract(allowed_ops=set()), seed=seed,
+                  hidden=seed is None, title="route_biased", hints=BIASED_HINTS))

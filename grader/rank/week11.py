@@ -1,6 +1,7 @@
 """Week 11 on a rank: call the student's route on this rank's router logits and backpropagate a random upstream
-grad of the gates and the aux loss; or exchange this rank's per-expert counts and move its rows with the
-student's AllToAll, forward and backward; or build the student's EPMoE from what rank r of t holds (the
+grad of the gates and the aux loss; or call the student's route_biased on the logits and the (replicated) expert
+bias and backpropagate a random upstream grad of the gates; or exchange this rank's per-expert counts and move its
+rows with the student's AllToAll, forward and backward; or build the student's EPMoE from what rank r of t holds (the
 replicated router weight and ITS experts' weights only) and run its tokens forward and backward. `inp` is
 this rank's own view (grader/cases/week11.py, rank_inputs): no other rank's tokens or experts ever reach it.
 
@@ -65,3 +66,22 @@ def run_layer(mod, cfg, inp, ctx):
     for name in ("router", "w1", "w2"):
         out[f"d{name}"] = ctx.grad(layer, name)
     return out
+
+
+def run_route_biased(mod, cfg, inp, ctx):
+    logits = ctx.hand("logits", inp["logits"].clone()).requires_grad_(True)
+    bias = ctx.hand("bias", inp["bias"].clone())
+    ctx.phase("forward")
+    out = mod.route_biased(logits, cfg["k"], bias)
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise GradingError("route_biased must return a tuple (experts, gates).")
+    experts, gates = (_tensor(v, n) for v, n in zip(out, ("experts", "gates")))
+    if tuple(gates.shape) != tuple(inp["dgates"].shape):
+        raise GradingError(f"gates has shape {tuple(gates.shape)}; expected {tuple(inp['dgates'].shape)} (N, k).")
+    ctx.phase("backward")
+    loss = (gates * inp["dgates"]).sum()
+    if not loss.requires_grad:
+        raise GradingError("gates does not require grad: the autograd graph back to the logits was cut "
+                           "(.detach(), torch.no_grad() or .data?).")
+    loss.backward()
+    return {"experts": experts.long(), "gates": gates, "dlogits": logits.grad}

@@ -29,8 +29,8 @@ from grader.judge.sources import cell_source, module_sources, writefile_cells
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 # a private file of the grading user's, as an instructor's token would be: no student code may read it
-# (one per pytest-xdist worker: a worker's teardown must not remove the file another worker's test probes)
-PLANTED = os.path.join(os.path.expanduser("~"), ".grader-corpus-secret" + os.environ.get("PYTEST_XDIST_WORKER", ""))
+# (one per process: a test run's teardown must not remove the file another run's test probes)
+PLANTED = os.path.join(os.path.expanduser("~"), f".grader-corpus-secret-{os.getpid()}")
 SECRET = "instructor-only-7f3a"
 
 
