@@ -123,11 +123,23 @@ def test_the_table_on_a_two_gpu_node(monkeypatch, capsys):
         f"{week} {which}", "nccl/torchrun", (week, which) != ("week02", "stub"), "score", 1.0))
     monkeypatch.setattr(gpu_check, "gpu_lectures", lambda: [])
     monkeypatch.setattr(gpu_check.shutil, "which", lambda name: None)
+    monkeypatch.setattr(gpu_check, "model_rows", lambda gpus: [
+        ("cost model: bf16 GEMM 8192^3", "H100", "info", "measured 700 TFLOP/s, predicted 740", 0.0016)])
     assert gpu_check.main() == 1
     out = capsys.readouterr().out
     table = out[out.rindex("what "):]
+    assert re.search(r"\ncost model: bf16 GEMM 8192\^3 +H100 +info +0\.0016 +measured 700 TFLOP/s, predicted 740\n",
+                     table), table
     assert "week02 stub" in table and "FAIL" in table and "failed: week02 stub" in out
     assert re.search(r"\nweek02 solution +nccl/torchrun, 2 ranks +pass +1\.0 +score\n", table), table
     assert "week06_overlap.ipynb nsys recipe" in table and "no nsys on PATH" in table
     assert len([line for line in table.splitlines() if line.startswith("week")]) == \
         len(gpu_check.plan(2)) + len(gpu_check.nsys_recipes())
+
+
+def test_gpu_names_map_to_the_cost_model():
+    from tpkit import costmodel
+    names = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA A100-SXM4-80GB": "A100", "NVIDIA H200": "H200",
+             "NVIDIA B200": "B200", "NVIDIA GB200": "GB200", "Tesla V100-SXM2-32GB": None}
+    assert {n: gpu_check.gpu_key(n) for n in names} == names
+    assert all(k in costmodel.GPUS for k in names.values() if k)

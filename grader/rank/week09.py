@@ -141,37 +141,37 @@ GB = topo.GB
 SCENARIOS = {
     "too_big": (topo.ModelSpec("1T", 1e12, 128, 25600, 160, 2048, global_batch=512), topo.ClusterSpec(n_nodes=1),
                 [(8, 1, 1)]),
-    "4gpu_nodes": (topo.ModelSpec("20B", 20e9, 8, 6144, 48, 2048, global_batch=32, micro_batch=1),
+    # 128K-token sequences: the activations fit only with tp >= 8, which 4-GPU nodes cannot hold (None); a planner
+    # letting TP cross nodes answers tp = 8 or 16
+    "4gpu_nodes": (topo.ModelSpec("20B, 128K tokens", 20e9, 8, 6144, 48, 131072, global_batch=32, micro_batch=1),
                    topo.ClusterSpec(n_nodes=8, gpus_per_node=4, gpu_mem=40 * GB), [(4, 4, 2)]),
     "70b_16x8": (topo.LLAMA_70B, topo.H100_16x8, [(8, 2, 8), (2, 8, 8)]),
     "1b_2x8": (topo.ModelSpec("1.3B", 1.3e9, 24, 2048, 16, 2048, global_batch=256), topo.ClusterSpec(n_nodes=2),
                [(1, 1, 16), (2, 4, 2)]),
     # one scenario per rule of the search that the ones above never exercise (a planner breaking it answers
     # differently here): tp must divide n_heads (tp=8 would be faster; 12 heads) ...
-    "12_heads": (topo.ModelSpec("13B, 12 heads", 13e9, 30, 4096, 12, 2048, global_batch=48),
-                 topo.ClusterSpec(n_nodes=4), [(4, 2, 4)]),
-    # ... pp must divide L (pp=4 would be faster; 30 layers) ...
+    "12_heads": (topo.ModelSpec("30B, 12 heads", 30e9, 24, 6144, 12, 8192, global_batch=16),
+                 topo.ClusterSpec(n_nodes=4), [(4, 8, 1)]),
+    # ... when pp does not divide L the fullest stage holds ceil(L/pp) layers (30 layers on pp=4: 8, not 7.5) ...
     "30_layers": (topo.ModelSpec("7B, 30 layers", 7e9, 30, 4096, 32, 2048, global_batch=48),
-                  topo.ClusterSpec(n_nodes=1), [(2, 2, 2)]),
+                  topo.ClusterSpec(n_nodes=1), [(2, 4, 1), (2, 2, 2)]),
     # ... dp * b must divide the global batch (dp=8 with b=2 would be faster; 40 sequences), and m = 40/(dp b) ...
     "batch_40": (topo.ModelSpec("7B, batch 40", 7e9, 32, 4096, 32, 2048, global_batch=40, micro_batch=2),
                  topo.ClusterSpec(n_nodes=2), [(4, 1, 4)]),
-    # ... tp * pp * dp must use every GPU (on 40 GPUs with 16 layers and a batch of 48 no layout does, so None;
-    # a planner that leaves GPUs idle answers (8, 4, 1) on 32 of them) ...
+    # ... tp * pp * dp must use every GPU (on 40 GPUs with 16 layers and a batch of 48 only pp = 5 or 10 does, with
+    # uneven stages; a planner that leaves GPUs idle answers (4, 8, 1) on 32 of them) ...
     "40_gpus": (topo.ModelSpec("30B", 30e9, 16, 8192, 64, 2048, global_batch=48), topo.ClusterSpec(n_nodes=5), []),
-    # ... and ties: with infinite FLOP/s and bandwidth every layout takes 0 s, so the rule "on equal times the
-    # smaller tp, then the smaller pp" alone decides: (1, 1, 8)
-    "ideal_cluster": (topo.ModelSpec("1B", 1e9, 8, 1024, 8, 1024, global_batch=64),
-                      topo.ClusterSpec(n_nodes=1, peak_flops=math.inf, bw_intra=math.inf, bw_inter=math.inf),
-                      [(2, 2, 2)]),
+    # ... and other hardware: A100s on HDR 200 (the step time reads the GPU and the NIC from the cost model)
+    "a100_hdr": (topo.ModelSpec("13B", 13e9, 40, 5120, 40, 2048, global_batch=256),
+                 topo.ClusterSpec(n_nodes=4, gpu="A100", nic="IB HDR 200"), [(4, 2, 4), (8, 1, 4)]),
 }
 SCENARIOS_HIDDEN = {
     "13b_4x8": (topo.ModelSpec("13B", 13e9, 40, 5120, 40, 4096, global_batch=512), topo.ClusterSpec(n_nodes=4),
                 [(4, 2, 4), (1, 1, 32)]),
     "70b_2x8_40g": (topo.ModelSpec("70B", 70e9, 80, 8192, 64, 4096, global_batch=64),
-                    topo.ClusterSpec(n_nodes=2, gpu_mem=40 * GB, mfu=0.5), [(8, 2, 1)]),
+                    topo.ClusterSpec(n_nodes=2, gpu_mem=40 * GB, gpu="H200"), [(8, 2, 1)]),
     "8b_2x4": (topo.ModelSpec("8B", 8e9, 32, 4096, 32, 8192, global_batch=64, micro_batch=2),
-               topo.ClusterSpec(n_nodes=2, gpus_per_node=4, bw_inter=25 * GB), [(4, 1, 2), (2, 2, 2)]),
+               topo.ClusterSpec(n_nodes=2, gpus_per_node=4, nic="IB HDR 200", nics_per_node=4), [(4, 1, 2), (2, 2, 2)]),
 }
 SCENARIOS_ALL = {**SCENARIOS, **SCENARIOS_HIDDEN}
 _KEYS = ("weights", "grads", "optimizer", "activations")

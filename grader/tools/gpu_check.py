@@ -6,7 +6,9 @@ solution and released stub through the trusted path (`grader.tools.cli_check.che
 each check at its world sizes up to the GPU count, executes the lectures that have GPU cells (a code cell
 guarded by `torch.cuda.is_available()`) into a temp folder, and runs the lectures' Nsight Systems recipes
 where `nsys` exists. One table says what ran, on what, whether it passed and how long it took (measured
-here). Without CUDA it says so and exits 0.
+here), and three measurements beside what the course's cost model (tpkit.costmodel) predicts for this GPU: a
+bf16 GEMM, an HBM copy and, with two GPUs or more, an NCCL all-reduce across them (rows marked "info": the
+model is compared, never graded). Without CUDA it says so and exits 0.
 """
 from __future__ import annotations
 
@@ -181,6 +183,76 @@ def run_nsys(lecture: str, command: str, gpus: int) -> tuple[str, str, bool, str
     return f"{lecture} nsys recipe", command, p.returncode == 0 and bool(reports), detail, secs
 
 
+def gpu_key(device_name: str) -> str | None:
+    """The tpkit.costmodel.GPUS entry for a CUDA device name ("NVIDIA H100 80GB HBM3" -> "H100"), None if none."""
+    return next((k for k in ("GB200", "B200", "H200", "H100", "A100") if k in device_name), None)
+
+
+def _cuda_seconds(fn, iters: int = 20) -> float:
+    """Median of `iters` timed runs after warm-up, with CUDA events (the GPU's time, not the launch's)."""
+    import torch
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _all_reduce_worker(rank: int, world: int, port: int, nbytes: int, out):
+    import torch
+    import torch.distributed as dist
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    seconds = _cuda_seconds(lambda: dist.all_reduce(x), iters=10)
+    if rank == 0:
+        out.put(seconds)
+    dist.destroy_process_group()
+
+
+def model_rows(gpus: int) -> list[tuple[str, str, str, str, float]]:
+    """(what, on, result, detail, seconds): measured here beside the cost model's prediction for this GPU."""
+    import torch
+    from launch.forkrun import free_port
+    from tpkit import costmodel as cm
+    from tpkit.topology import ClusterSpec
+    name = torch.cuda.get_device_name(0)
+    key = gpu_key(name)
+    if key is None:
+        return [("cost model", name, "skipped", "no entry for this GPU in tpkit.costmodel.GPUS", 0.0)]
+    gpu, n, rows = cm.GPUS[key], 8192, []
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    t = _cuda_seconds(lambda: a @ b)
+    pred = cm.gemm_time(n, n, n, gpu)
+    rows.append(("cost model: bf16 GEMM 8192^3", f"{name} as {key}", "info",
+                 f"measured {2 * n ** 3 / t / 1e12:.0f} TFLOP/s, predicted {2 * n ** 3 / pred / 1e12:.0f}", t))
+    nbytes = 2 ** 30
+    x, y = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+    t = _cuda_seconds(lambda: y.copy_(x))                      # reads and writes 1 GiB each
+    pred = cm.memory_time(2 * nbytes, gpu)
+    rows.append(("cost model: HBM copy 1 GiB", f"{name} as {key}", "info",
+                 f"measured {2 * nbytes / t / 1e9:.0f} GB/s, predicted {2 * nbytes / pred / 1e9:.0f}", t))
+    if gpus >= 2:
+        ctx = torch.multiprocessing.get_context("spawn")
+        out = ctx.Queue()
+        torch.multiprocessing.start_processes(_all_reduce_worker, args=(gpus, free_port(), nbytes, out), nprocs=gpus,
+                                              start_method="spawn")
+        t = out.get(timeout=60)
+        pred = cm.collective_time("all_reduce", nbytes, gpus, ClusterSpec(n_nodes=1, gpus_per_node=gpus, gpu=key))
+        algo, best = cm.nccl_pick("all_reduce", nbytes, gpus, ClusterSpec(n_nodes=1, gpus_per_node=gpus, gpu=key))
+        rows.append((f"cost model: all-reduce 1 GiB on {gpus} GPUs", f"{name} as {key}, NCCL", "info",
+                     f"measured busbw {cm.algbw_busbw('all_reduce', nbytes, gpus, t)[1] / 1e9:.0f} GB/s, predicted "
+                     f"{cm.algbw_busbw('all_reduce', nbytes, gpus, pred)[1] / 1e9:.0f} (ring), "
+                     f"{cm.algbw_busbw('all_reduce', nbytes, gpus, best)[1] / 1e9:.0f} ({algo})", t))
+    return rows
+
+
 def table(rows: list[tuple[str, str, str, str, str]]) -> str:
     head = ("what", "on", "result", "seconds", "detail")
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(4)]
@@ -205,6 +277,9 @@ def main() -> int:
         what, on, ok, detail, secs = check_lab(week, which, gpus)
         rows.append((what, f"{on}, {'/'.join(map(str, sizes))} ranks", "pass" if ok else "FAIL", f"{secs:.1f}",
                      detail))
+        print("  ".join(map(str, rows[-1])), flush=True)
+    for what, on, result, detail, secs in model_rows(gpus):
+        rows.append((what, on, result, f"{secs:.4f}", detail))
         print("  ".join(map(str, rows[-1])), flush=True)
     for path in gpu_lectures():
         what, on, ok, detail, secs = run_lecture(path)
