@@ -2,10 +2,11 @@
 import os
 
 from grader.judge.timeouts import EXECUTE_TIMEOUT, PG_TIMEOUT, job_wall_clock
+from grader.autograde.outputs import CourseOwnsOutputs, ResetAutoGrades
 from grader.autograde.plugin import DeferredExecute, TrustedChecks
-from nbconvert.preprocessors import ClearMetadataPreprocessor
-from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, IgnorePattern, LimitOutput,
-                                    SaveAutoGrades)
+from nbconvert.preprocessors import ClearMetadataPreprocessor, CSSHTMLHeaderPreprocessor
+from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, ClearOutput, DeduplicateIds, GetGrades,
+                                    IgnorePattern, LimitOutput, OverwriteCells, OverwriteKernelspec, SaveAutoGrades)
 
 c = get_config()  # noqa: F821
 c.CourseDirectory.root = os.path.dirname(os.path.abspath(__file__))
@@ -26,6 +27,18 @@ c.ClearSolutions.code_stub = {
 }
 c.ClearSolutions.enforce_metadata = True
 
+# nbgrader's own steps, after two of ours: a run that fails from here on leaves no old score standing, and a
+# run as root leaves folders the instructor can replace (grader/autograde/outputs.py)
+c.Autograde.sanitize_preprocessors = [
+    ResetAutoGrades,
+    CourseOwnsOutputs,
+    ClearOutput,
+    DeduplicateIds,
+    OverwriteKernelspec,
+    OverwriteCells,
+    CheckCellMetadata,
+]
+c.GenerateFeedback.preprocessors = [CourseOwnsOutputs, GetGrades, CSSHTMLHeaderPreprocessor]
 c.Autograde.autograde_preprocessors = [
     DeferredExecute,     # the student's notebook runs as usual; in-kernel check() stands down
     TrustedChecks,       # the grade: modules from the notebook JSON, checked outside the kernel

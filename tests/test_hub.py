@@ -250,6 +250,19 @@ def _fill_solution(nb: dict) -> int:
     return n
 
 
+def test_start_refuses_a_course_root_the_formgrader_cannot_serve():
+    """The formgrader serves a course root only inside the instructor's Jupyter root (their home): start.py says
+    so before it starts a hub whose formgrader would answer every request with an error."""
+    from types import SimpleNamespace
+    from grader.hub.start import check_course_placement
+    me = pwd.getpwuid(os.getuid())
+    check_course_placement(SimpleNamespace(instructor=me.pw_name, course=os.path.join(me.pw_dir, "course")))
+    beside = os.path.join(os.path.dirname(os.path.realpath(me.pw_dir)), "elsewhere-course")
+    for outside in (beside, me.pw_dir):
+        with pytest.raises(SystemExit, match="not a folder inside .* home"):
+            check_course_placement(SimpleNamespace(instructor=me.pw_name, course=outside))
+
+
 class TestHubClass:
     """One assignment through the hub, as its three accounts would do it in the browser and a terminal."""
 

@@ -101,12 +101,18 @@ def autograde_class(course: str, week: str, jobs: int = 2, students: list[str] |
         raise SystemExit(f"{course} is not an nbgrader course of this repository: {CONFIG} is missing there")
     _warm()
     from nbgrader.coursedir import CourseDirectory
+    from grader.autograde.outputs import fail_unless_regradable, give_to_course_owner
     if db and "://" not in db and not os.path.exists(db):
         from grader.autograde.gradebooks import new_slice
         new_slice(os.path.join(course, "gradebook.db"), db)
-    db_url = CourseDirectory(config=course_config(course, db)).db_url
-    add_students(db_url, students)
-    workers = _Workers(course, week, db_url, out)
+        give_to_course_owner(course, [db])   # made by root: the instructor grades this slice again
+    coursedir = CourseDirectory(config=course_config(course, db))
+    try:
+        fail_unless_regradable(coursedir, week, students)
+    except PermissionError as e:
+        raise SystemExit(str(e)) from None
+    add_students(coursedir.db_url, students)
+    workers = _Workers(coursedir, week, out)
     n = len(students)
     try:
         retry = workers.run(students, max(1, jobs), lambda k: f"[{k}/{n}]")
@@ -123,8 +129,9 @@ class _Workers:
     """Forked workers, one submission each, `parallel` at a time; one that outlives WORKER_TIMEOUT is killed
     with everything it started and counts as failed (a class run never stalls on one submission)."""
 
-    def __init__(self, course: str, week: str, db_url: str, out):
-        self.course, self.week, self.db_url, self.out = course, week, db_url, out
+    def __init__(self, coursedir, week: str, out):
+        self.coursedir, self.week, self.out = coursedir, week, out
+        self.course, self.db_url = coursedir.root, coursedir.db_url
         self.reports = tempfile.mkdtemp(prefix="grader-class-")
         self.seconds: dict[str, float] = {}
         self.taken: list[str] = []
@@ -151,6 +158,7 @@ class _Workers:
                 self.taken.append(student)
             elif code != 0:
                 failed.append(student)
+                self._discard(student)
             done += 1
             state = {0: "ok", TAKEN: "taken by another worker", -9: "killed at the worker timeout"}.get(
                 code, "will retry")
@@ -172,6 +180,22 @@ class _Workers:
                         except ProcessLookupError:
                             pass
                 time.sleep(0.05)
+
+    def _discard(self, student: str):
+        """A failed or killed run may leave old or new scores beside a removed or never-executed notebook: leave
+        the student not autograded instead (grader.autograde.outputs), unless another worker grades them now."""
+        from grader.autograde.gradebooks import Taken, claim
+        from grader.autograde.outputs import discard
+        from sqlalchemy.exc import SQLAlchemyError
+        try:
+            with claim(self.db_url, self.week, student):
+                discard(self.coursedir, self.week, student)
+        except Taken:
+            pass        # that worker's run leaves the student's scores and folder in agreement
+        except (OSError, SQLAlchemyError) as e:
+            print(f"{student}: could not clear what the failed run left ({type(e).__name__}: {e}); the gradebook may "
+                  f"hold a score its autograded notebook does not show until {student} is autograded again",
+                  file=self.out, flush=True)
 
     def _report(self, student: str) -> str:
         return os.path.join(self.reports, f"{student}.json")

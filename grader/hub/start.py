@@ -156,6 +156,18 @@ def instructor_config(s: SimpleNamespace) -> None:
     os.chmod(d, 0o755)
 
 
+def check_course_placement(s: SimpleNamespace) -> None:
+    """The formgrader serves a course root only inside the Jupyter server's root (`c.Spawner.notebook_dir`: the
+    instructor's home): outside it, nbgrader logs "The course directory root is not a subdirectory of the notebook
+    server root" and answers every formgrader request with an error."""
+    home = os.path.realpath(pwd.getpwnam(s.instructor).pw_dir)
+    course = os.path.realpath(s.course)
+    if course == home or os.path.commonpath([home, course]) != home:
+        sys.exit(f"start.py: HUB_COURSE={s.course} is not a folder inside {s.instructor}'s home {home}, the "
+                 f"root of their Jupyter server: the formgrader would answer every request with an error. Put the "
+                 f"course inside it (default {os.path.join(home, 'course')}) or unset HUB_COURSE.")
+
+
 def make_course(s: SimpleNamespace) -> None:
     """The instructor's course root, copied from this repository if it is not there yet; private to them."""
     pw = pwd.getpwnam(s.instructor)
@@ -203,6 +215,7 @@ def main(argv: list[str]) -> None:
         pwd.getpwnam(s.instructor)
     except KeyError:
         sys.exit(f"start.py: no account {s.instructor!r} (HUB_INSTRUCTOR): useradd -m {s.instructor}")
+    check_course_placement(s)
     os.makedirs(s.exchange, exist_ok=True)
     os.chmod(s.exchange, 0o1777)
     os.makedirs(s.state, mode=0o700, exist_ok=True)
