@@ -243,7 +243,7 @@ class AllGatherMoE(EPMoE):
         t, me = dist.get_world_size(self.group), dist.get_rank(self.group)
         E, L = self.router.shape[0], self.w1.shape[0]
         r = route(x @ self.router.T, self.k, self.factor)
-        weight = torch.zeros_like(x[:, :E]).scatter_add(1, r.experts, r.gates * r.keep)      # (N, E)
+        weight = x.new_zeros(x.shape[0], E).scatter_add(1, r.experts, r.gates * r.keep)      # (N, E), any E vs H
         xs = GatherFromSequence.apply(x.unsqueeze(0), self.group)[0]                      # (tN, H)
         ws = GatherFromSequence.apply(weight.unsqueeze(0), self.group)[0]                 # (tN, E)
         out = torch.zeros_like(xs)
