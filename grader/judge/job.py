@@ -232,19 +232,27 @@ def _missing_reason(job_rank: int, item: Item, run, progress: dict, finished_by:
 
 def _desync(group: list[int], results: dict) -> str | None:
     """Name the first collective on which the ranks of an item's group disagree."""
-    # point-to-point order differs between ranks by design (pipeline stages): compare collectives only
-    seqs = {group.index(r): [(e.get("phase"), e.get("op")) for e in res.ledger if e.get("op") not in ("send", "recv")]
-            for r, res in results.items() if res is not None}
-    if len({tuple(s) for s in seqs.values()}) <= 1:
-        return None
-    n = max(len(s) for s in seqs.values())
-    for i in range(n):
-        calls = {r: (s[i] if i < len(s) else None) for r, s in seqs.items()}
-        if len(set(calls.values())) > 1:
-            desc = "; ".join(f"rank {r}: " + (f"{c[1]} ({c[0]})" if c else "nothing more")
-                             for r, c in calls.items())
-            return (f"the ranks disagree on collective #{i + 1}: {desc}. Every rank must issue the same "
-                    "collectives in the same order, or the job deadlocks.")
+    # point-to-point order differs between ranks by design (pipeline stages): compare collectives only; and per
+    # sub-group where the switchboard's record names it (`members`): a 4-D layout's ranks run different collectives
+    # on different groups (week 12)
+    by_group: dict = {}
+    for r, res in results.items():
+        if res is not None:
+            for e in res.ledger:
+                if e.get("op") not in ("send", "recv"):
+                    m = tuple(e["members"]) if isinstance(e.get("members"), list) else None
+                    by_group.setdefault(m, {}).setdefault(group.index(r), []).append((e.get("phase"), e.get("op")))
+    for m, found in by_group.items():
+        seqs = {i: found.get(i, []) for i, r in enumerate(group) if results.get(r) is not None and (m is None or i in m)}
+        if len({tuple(s) for s in seqs.values()}) <= 1:
+            continue
+        for i in range(max(len(s) for s in seqs.values())):
+            calls = {r: (s[i] if i < len(s) else None) for r, s in seqs.items()}
+            if len(set(calls.values())) > 1:
+                desc = "; ".join(f"rank {r}: " + (f"{c[1]} ({c[0]})" if c else "nothing more")
+                                 for r, c in calls.items())
+                return (f"the ranks disagree on collective #{i + 1}: {desc}. Every rank must issue the same "
+                        "collectives in the same order, or the job deadlocks.")
     return None
 
 
