@@ -213,17 +213,15 @@ _SHORT = {"forward": "fwd", "backward": "bwd"}
 
 
 def comm_summary(res: RankRecord) -> str:
-    parts = []
-    for phase in ("forward", "backward"):
-        es = [e for e in res.ledger if e.get("phase") == phase]
-        if not es:
-            parts.append(f"{_SHORT[phase]}: none")
-            continue
-        c: dict[str, int] = {}
-        for e in es:
-            c[str(e.get("op"))] = c.get(str(e.get("op")), 0) + 1
-        parts.append(f"{_SHORT[phase]}: " + ", ".join(f"{op} x{n}" for op, n in c.items()))
-    return "; ".join(parts)
+    """The collectives of a rank per phase: forward and backward (named even when empty) where a case has them,
+    else whatever phases its harness names (week 12: the first layout, the checkpoint, the resumed layout)."""
+    by_phase: dict[str, dict[str, int]] = {}
+    for e in res.ledger:
+        ops = by_phase.setdefault(str(e.get("phase")), {})
+        ops[str(e.get("op"))] = ops.get(str(e.get("op")), 0) + 1
+    phases = ("forward", "backward") if by_phase.keys() & {"forward", "backward"} or not by_phase else by_phase
+    return "; ".join(f"{_SHORT.get(p, p)}: " + (", ".join(f"{op} x{n}" for op, n in by_phase[p].items())
+                                               if p in by_phase else "none") for p in phases)
 
 
 def rank_list(ranks) -> str:
