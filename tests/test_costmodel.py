@@ -46,6 +46,17 @@ def test_a_group_across_nodes_gets_one_nic_per_member_per_node():
     assert cm.collective_time("all_reduce", n, 16, TWO) == pytest.approx(lat + 2 * 15 / 16 * n / 360e9)
 
 
+def test_all_to_all_is_one_hop_and_one_nic_per_rank_across_nodes():
+    n = 1e9
+    # inside a node: every send posted at once, one hop; (t-1)/t of the buffer at NVLink's busbw
+    assert cm.collective_time("all_to_all", n, 8, NODE) == pytest.approx(8.4e-6 + 3.4e-6 + 7 / 8 * n / (450e9 * 0.80))
+    # 16 ranks over 2 nodes: half the buffer leaves through the rank's own NIC (50 GB/s x 0.94), 7/16 over NVLink,
+    # at once; the NIC bounds it (a ring would have pooled the node's 8 NICs)
+    across = 8.4e-6 + 9.6e-6 + max(8 / 16 * n / (50e9 * 0.94), 7 / 16 * n / (450e9 * 0.80))
+    assert cm.collective_time("all_to_all", n, 16, TWO) == pytest.approx(across)
+    assert across > 4 * cm.collective_time("all_to_all", n, 8, NODE)
+
+
 def test_recursive_doubling_tree_and_nvls_formulas():
     n, bw = 4e6, 360e9
     assert cm.collective_time("all_reduce", n, 8, NODE, "rd") == pytest.approx(3 * (3.4e-6 + n / bw))

@@ -10,6 +10,9 @@ Collectives (week 1's alpha-beta model, with NCCL's constants):
   a broadcast along a pipelined tree, 2(depth) steps, algorithm bandwidth busbw/2; NVLS (NVLink SHARP)
   lets the switch reduce, one step, at the algorithm bandwidth NVIDIA measured. busbw is the link's
   line rate times a protocol efficiency; NCCL picks, per size, the algorithm its model says is fastest.
+  An all-to-all is no ring: its t-1 sends are posted at once (one hop of latency, not t-1), and across nodes each
+  rank's share for other nodes, (t - per_node)/t of its buffer, leaves through its own NIC, so one NIC bounds it,
+  not the node's NICs together.
 GEMM (roofline, torchao's model plus wave quantization):
     T = max(2mnk / (peak * eta_gemm * wave), bytes / (hbm * eta_mem)) + launch
   wave = tiles / (ceil(tiles / SMs) * SMs): the last wave of 128x128 output tiles leaves SMs idle.
@@ -105,6 +108,14 @@ def collective_time(op: str, nbytes: float, t: int, cluster: ClusterSpec, algo: 
         return 0.0
     per_node = per_node or min(t, cluster.gpus_per_node)
     bw, link = busbw(cluster, t, per_node)
+    if op == "all_to_all":            # not a ring: t-1 sends posted at once (one hop of latency); across nodes each
+        # rank sends (t - per_node)/t of its buffer through its own NIC(s) and (per_node - 1)/t over NVLink, together
+        if t <= per_node:
+            return NCCL_BASE["ring"] + NCCL_HOP["ring"][link] + ring_bytes_sent(op, nbytes, t) / bw
+        nic = NICS[cluster.nic] * EFF["net"] * cluster.nics_per_node / cluster.gpus_per_node
+        nv = GPUS[cluster.gpu].nvlink * EFF["nvlink"]
+        lat = NCCL_BASE["ring"] + NCCL_HOP["ring"]["net"]
+        return lat + max((t - per_node) / t * nbytes / nic, (per_node - 1) / t * nbytes / nv)
     if algo == "ring":                # of its steps, those that cross a node boundary pay the network hop
         steps, inter = ring_steps(op, t), ring_steps(op, math.ceil(t / per_node))
         hops = (steps - inter) * NCCL_HOP["ring"]["nvlink"] + inter * NCCL_HOP["ring"]["net"]
