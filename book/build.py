@@ -1,7 +1,8 @@
 """Build the self-study site: `python book/build.py` (what `make book` runs).
 
 1. Discover what is present *now*: lecture notebooks `notebooks/week*.ipynb`, released labs
-   `labs/week*/*.ipynb`, the guides `docs/student.md`, `docs/instructor.md`, and the bibliography `docs/sources.md`.
+   `labs/week*/*.ipynb`, the notebooks of no week (`notebooks/cost_model_validation.ipynb`: an appendix), the guides
+   `docs/student.md`, `docs/instructor.md`, and the bibliography `docs/sources.md`.
 2. Stage them under build/book-src/ with the repository's relative layout, so the links the
    notebooks already use (`../labs/week02/tp_linear.ipynb`, `week01_x.ipynb#a-section`) resolve as
    they do on GitHub; a linked repository file that is not a page (`../tpkit/ledger.py`, a figure)
@@ -52,6 +53,12 @@ def discover(root: str) -> dict[int, dict[str, list[str]]]:
             os.path.relpath(p, root))
     weeks.pop(None, None)
     return dict(sorted(weeks.items()))
+
+
+def appendices(root: str) -> list[str]:
+    """The lecture notebooks of no week (relpaths): pages of their own, after the weeks."""
+    return [os.path.relpath(p, root) for p in sorted(glob.glob(os.path.join(root, "notebooks", "*.ipynb")))
+            if week_of(p) is None]
 
 
 def notebook_title(path: str) -> str:
@@ -165,7 +172,7 @@ def syllabus(weeks: dict, titles: dict[str, str]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def toc_yaml(weeks: dict, guides: list[str], titles: dict[str, str]) -> str:
+def toc_yaml(weeks: dict, guides: list[str], titles: dict[str, str], extra: list[str] = ()) -> str:
     def noext(p):
         return os.path.splitext(p)[0]
     out = ["format: jb-book", "root: intro", "parts:", "  - caption: Weeks", "    chapters:"]
@@ -176,6 +183,10 @@ def toc_yaml(weeks: dict, guides: list[str], titles: dict[str, str]) -> str:
             out.append("        sections:")
             for kind, p in pages:
                 out += [f"          - file: {noext(p)}", f"            title: {json.dumps(kind + ': ' + _short(titles[p], w))}"]
+    if extra:
+        out += ["  - caption: Appendix", "    chapters:"]
+        for p in extra:
+            out += [f"      - file: {noext(p)}", f"        title: {json.dumps(titles[p])}"]
     if guides:
         out += ["  - caption: Guides", "    chapters:"] + [f"      - file: {noext(g)}" for g in guides]
     return "\n".join(out) + "\n"
@@ -185,7 +196,8 @@ def stage(root: str, src: str) -> dict:
     shutil.rmtree(src, ignore_errors=True)
     os.makedirs(src)
     weeks = discover(root)
-    pages = [p for e in weeks.values() for p in e["lectures"] + e["labs"]]
+    extra = appendices(root)
+    pages = [p for e in weeks.values() for p in e["lectures"] + e["labs"]] + extra
     guides = [g for g, _ in GUIDES if os.path.exists(os.path.join(root, g))]
     for p in pages + guides:
         os.makedirs(os.path.dirname(os.path.join(src, p)), exist_ok=True)
@@ -205,7 +217,7 @@ def stage(root: str, src: str) -> dict:
         with open(os.path.join(src, "weeks", f"week{w:02d}.md"), "w") as f:
             f.write(week_page(w, e, titles))
     with open(os.path.join(src, "_toc.yml"), "w") as f:
-        f.write(toc_yaml(weeks, guides, titles))
+        f.write(toc_yaml(weeks, guides, titles, extra))
     linked = stage_linked_files(root, src, pages + guides)
     mathjax = copy_mathjax(src)
     return {"weeks": weeks, "pages": pages, "guides": guides, "linked": linked, "mathjax": mathjax}

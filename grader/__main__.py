@@ -109,7 +109,7 @@ def cmd_bench(a) -> int:
 
 def cmd_repeat_scores(a) -> int:
     from grader.tools.repeat_scores import main
-    return main(runs=a.runs, busy_procs=a.busy, only=a.weeks or None)
+    return main(runs=a.runs, busy_procs=a.busy, only=a.weeks or None, wrong=a.wrong)
 
 
 def cmd_gpu_check(a) -> int:
@@ -189,6 +189,8 @@ def main(argv=None) -> int:
     q.add_argument("weeks", nargs="*", help="weeks to grade (default: all)")
     q.add_argument("--runs", type=int, default=10)
     q.add_argument("--busy", type=int, default=0, help="processes spinning beside the runs (2: a busy 2-core machine)")
+    q.add_argument("--wrong", action="store_true", help="the wrong submissions too: each fails exactly the grade cells "
+                   "its manifest names, on every draw")
     q.set_defaults(fn=cmd_repeat_scores)
     sub.add_parser("gpu-check", help="on a CUDA machine: the install, every lab on NCCL, the lectures' GPU cells"
                    ).set_defaults(fn=cmd_gpu_check)

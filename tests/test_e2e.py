@@ -85,7 +85,8 @@ def site():
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     os.makedirs(SHOTS, exist_ok=True)
-    yield {"url": f"http://127.0.0.1:{srv.server_address[1]}", "weeks": book_build.discover(ROOT)}
+    yield {"url": f"http://127.0.0.1:{srv.server_address[1]}", "weeks": book_build.discover(ROOT),
+           "appendices": book_build.appendices(ROOT)}
     srv.shutdown()
 
 
@@ -136,6 +137,22 @@ def test_site_every_week_renders(browser, site):
     weeks = site["weeks"]
     assert weeks, "no lecture or lab notebook found"
     seen = []
+
+    def renders(p: str, shot: str):
+        info = _visit(browser, f"{site['url']}/{_html(p)}", shot)
+        where = f"{p} ({info['title']})"
+        assert not info["errors"], f"{where}: {info['errors']}"
+        bad = [i for i in info["imgs"] if not i["ok"]]
+        assert not bad, f"{where}: images that do not render: {bad}"
+        want = _png_outputs(os.path.join(SITE + "-src", p))  # the copy the site was built from
+        plots = [i for i in info["imgs"] if "_images/" in (i["src"] or "")]
+        assert len(plots) >= want, f"{where}: {want} plot output(s) in the notebook, {len(plots)} on the page"
+        if info["math"]:
+            assert info["typeset"] > 0, f"{where}: {info['math']} math element(s) but MathJax typeset none"
+        assert info["matherr"] == 0, f"{where}: MathJax reported {info['matherr']} error(s)"
+        assert info["highlighted"] > 0, f"{where}: no highlighted code"
+        seen.append((p, len(plots), info["math"]))
+
     home = _visit(browser, site["url"] + "/intro.html", "intro")
     assert not home["errors"], f"intro page: {home['errors']}"
     for w, entry in weeks.items():
@@ -145,19 +162,9 @@ def test_site_every_week_renders(browser, site):
             assert any(h and h.split("#")[0].endswith(os.path.basename(_html(p))) for h in wk["links"]), (
                 f"week {w} page does not link to {p}: {wk['links']}")
             kind = "lecture" if p.startswith("notebooks") else "lab"
-            info = _visit(browser, f"{site['url']}/{_html(p)}", f"week{w:02d}-{kind}-{os.path.basename(p)[:-6]}")
-            where = f"{p} ({info['title']})"
-            assert not info["errors"], f"{where}: {info['errors']}"
-            bad = [i for i in info["imgs"] if not i["ok"]]
-            assert not bad, f"{where}: images that do not render: {bad}"
-            want = _png_outputs(os.path.join(SITE + "-src", p))  # the copy the site was built from
-            plots = [i for i in info["imgs"] if "_images/" in (i["src"] or "")]
-            assert len(plots) >= want, f"{where}: {want} plot output(s) in the notebook, {len(plots)} on the page"
-            if info["math"]:
-                assert info["typeset"] > 0, f"{where}: {info['math']} math element(s) but MathJax typeset none"
-            assert info["matherr"] == 0, f"{where}: MathJax reported {info['matherr']} error(s)"
-            assert info["highlighted"] > 0, f"{where}: no highlighted code"
-            seen.append((p, len(plots), info["math"]))
+            renders(p, f"week{w:02d}-{kind}-{os.path.basename(p)[:-6]}")
+    for p in site["appendices"]:                      # the cost model's validation: a page after the weeks
+        renders(p, f"appendix-{os.path.basename(p)[:-6]}")
     print("\n".join(f"{p}: {n} plot(s), {m} math element(s)" for p, n, m in seen))
 
 
