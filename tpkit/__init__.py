@@ -3,7 +3,8 @@
 models (the dense Llama-style model), ledger (collectives and bytes), memory (activation and
 parameter probes, Korthikanti's formulas), timeline (per-rank compute/communication lanes),
 gather_watch (gathered weights alive at once), pipeline (schedule simulator, stages), topology
-(model and cluster specs), dtensor (DTensor helpers), plots; and `check`, the lab self-check.
+(model and cluster specs), costmodel (bytes and FLOPs into time on named hardware), capstone_model (week 12's
+Llama-MoE), dtensor (DTensor helpers), plots; and `check`, the lab self-check.
 The reference implementations of what labs ask for are in `reference/`, which no grading rank sees.
 """
 
