@@ -1,7 +1,18 @@
-"""Processes a test looks for in /proc: by what their command line names, and by who started them."""
+"""Processes a test starts (a test file's own rank program on N ranks) or looks for in /proc: by what their command
+line names, and by who started them."""
 import os
 
 from launch.runner import is_alive
+
+
+def every_rank_says_ok(test_file: str, nproc: int, timeout: float):
+    """Run `test_file` as a script on `nproc` local ranks (gloo, the fork launcher): each rank prints "ok" at the end
+    of its checks, so a rank that failed or stopped early fails the test with every rank's output."""
+    from launch import run
+    res = run(os.path.abspath(test_file), nproc, module=False, launcher="fork", timeout=timeout)
+    assert res.ok, res.output
+    for r in range(nproc):
+        assert "ok" in res.rank_output(r), res.output
 
 
 def processes_naming(text: str) -> list[int]:

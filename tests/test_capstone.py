@@ -55,11 +55,8 @@ def test_dense_moe_layer_is_week11_dropless():
 
 
 def test_capstone_on_4_ranks():
-    from launch import run
-    res = run(os.path.abspath(__file__), 4, module=False, launcher="fork", timeout=180)
-    assert res.ok, res.output
-    for r in range(4):
-        assert "ok" in res.rank_output(r)
+    from tests.procs import every_rank_says_ok
+    every_rank_says_ok(__file__, 4, timeout=180)
 
 
 def _rank_main():

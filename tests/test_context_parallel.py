@@ -55,13 +55,17 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("t", [2, 4])
-def test_variants_match_dense_attention(tmp_path, t):
-    script = tmp_path / "cp.py"
-    script.write_text(SCRIPT)
-    res = run(str(script), t, module=False, backend="gloo", timeout=120)
+def _every_rank_ok(tmp_path, script: str, t: int):
+    path = tmp_path / "cp.py"
+    path.write_text(script)
+    res = run(str(path), t, module=False, backend="gloo", timeout=120)
     assert res.returncode == 0, res.output
     assert res.output.count(f"ok {t}") == t
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_variants_match_dense_attention(tmp_path, t):
+    _every_rank_ok(tmp_path, SCRIPT, t)
 
 
 def test_merge_of_key_blocks_is_dense_softmax():
@@ -133,11 +137,7 @@ DOC_SCRIPT = textwrap.dedent("""
 def test_packed_documents_match_block_diagonal_attention(tmp_path, t):
     """Ring (per-document and whole-sequence chunks) and all-gather K/V with the document mask: exact against
     dense attention with the block-diagonal causal mask, forward and backward, the ring's bytes unchanged."""
-    script = tmp_path / "cp_docs.py"
-    script.write_text(DOC_SCRIPT)
-    res = run(str(script), t, module=False, backend="gloo", timeout=120)
-    assert res.returncode == 0, res.output
-    assert res.output.count(f"ok {t}") == t
+    _every_rank_ok(tmp_path, DOC_SCRIPT, t)
 
 
 def test_document_layout_and_mask():

@@ -126,11 +126,8 @@ def test_graded_dropless_and_bias_cases_would_catch_their_mistakes():
 
 
 def test_ep_and_etp_on_4_ranks():
-    from launch import run
-    res = run(os.path.abspath(__file__), 4, module=False, launcher="fork", timeout=120)
-    assert res.ok, res.output
-    for r in range(4):
-        assert "ok" in res.rank_output(r)
+    from tests.procs import every_rank_says_ok
+    every_rank_says_ok(__file__, 4, timeout=120)
 
 
 def _rank_main():
